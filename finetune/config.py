@@ -1,0 +1,294 @@
+"""Recipe YAML -> typed, validated config.
+
+A recipe holds hyperparameters; hardware and sharding live in the accelerate config. Every field
+below is documented where it is declared. Loading reports all problems at once: unknown keys
+(with the nearest valid key), missing required fields, wrong types and contradictory values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from finetune.errors import FinetuneError
+
+
+class ConfigError(FinetuneError):
+    """One or more problems in a recipe or its command-line overrides."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name_or_path: str
+    """Hub id or local folder of a causal LM and its tokenizer."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the stored (master) parameters and optimizer state. Keep float32 and set
+    `mixed_precision: bf16` in the accelerate config for bf16 compute; bfloat16 here trains in pure bf16."""
+
+    attn_implementation: str = "sdpa"
+    """Attention kernel passed to transformers: sdpa, eager or flash_attention_2."""
+
+    trust_remote_code: bool = False
+    """Run modelling code shipped with the checkpoint. Off unless you trust its source."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    train_path: str
+    """Hub dataset id, or a local .json/.jsonl/.csv/.parquet file or folder of them."""
+
+    train_split: str = "train"
+    """Split of `train_path` to train on."""
+
+    eval_path: str | None = None
+    """Hub id or local file for evaluation; None to carve `eval_fraction` out of the training data."""
+
+    eval_split: str = "train"
+    """Split of `eval_path` to evaluate on."""
+
+    eval_fraction: float = 0.0
+    """Fraction of the training data held out for evaluation when `eval_path` is None (0 = no eval)."""
+
+    format: Literal["auto", "chat", "prompt_completion", "text"] = "auto"
+    """Sample layout: chat (`messages`), prompt_completion (`prompt`, `completion`), text (`text`),
+    or auto to pick by the columns present."""
+
+    max_length: int
+    """Maximum tokens per sample; longer samples are truncated and counted. Also the packed row length."""
+
+    packing: bool = True
+    """Concatenate samples into rows of `max_length` tokens (attention and positions do not cross
+    samples); False pads each batch to its longest sample."""
+
+    completion_only_loss: bool = True
+    """Train on assistant/completion tokens only; False trains on prompts too. Ignored for text."""
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float
+    """Peak learning rate of AdamW."""
+
+    weight_decay: float = 0.0
+    """Decoupled weight decay of AdamW."""
+
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warmup, down to `min_lr_ratio` x `lr` at the last step."""
+
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to `lr`."""
+
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of `lr`."""
+
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    seed: int = 42
+    """Seed for model init, data order and dropout."""
+
+    micro_batch_size: int
+    """Sequences per process per forward pass."""
+
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per process per optimizer step. Global batch = micro_batch_size x this x processes."""
+
+    max_steps: int | None = None
+    """Optimizer steps to run. Set this or `num_epochs`, not both."""
+
+    num_epochs: float | None = None
+    """Passes over the training data (fractions allowed). Set this or `max_steps`, not both."""
+
+    eval_every_steps: int = 0
+    """Evaluate every this many optimizer steps, and at the end (0 = only at the end)."""
+
+    log_every_steps: int = 1
+    """Write metrics every this many optimizer steps."""
+
+    activation_checkpointing: bool = False
+    """Recompute layer activations in backward. Or set `fsdp_activation_checkpointing` in the
+    accelerate config instead (not both)."""
+
+
+@dataclass(kw_only=True)
+class OutputConfig:
+    dir: str
+    """Folder for the resolved recipe, metrics, per-rank reports and the exported model."""
+
+    overwrite: bool = False
+    """Allow writing into a non-empty `dir`. Without it a run refuses, so earlier results are never lost."""
+
+    trackers: list[str] = field(default_factory=list)
+    """Accelerate trackers to log to, e.g. [tensorboard]. Metrics always go to `metrics.jsonl`."""
+
+    export: bool = True
+    """Write a consolidated safetensors model to `<dir>/final` at the end of training."""
+
+    export_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Dtype of exported weights; None keeps the training dtype of the parameters (`model.dtype`)."""
+
+
+@dataclass(kw_only=True)
+class RecipeConfig:
+    model: ModelConfig
+    data: DataConfig
+    optim: OptimConfig
+    train: TrainConfig
+    output: OutputConfig
+
+    def cross_field_errors(self) -> list[str]:
+        """Problems that involve more than one field, each with its fix."""
+        errors = []
+        train, data, optim = self.train, self.data, self.optim
+        if (train.max_steps is None) == (train.num_epochs is None):
+            errors.append("set exactly one of train.max_steps and train.num_epochs")
+        if train.max_steps is not None and train.max_steps < 1:
+            errors.append(f"train.max_steps must be >= 1, got {train.max_steps}")
+        if train.num_epochs is not None and train.num_epochs <= 0:
+            errors.append(f"train.num_epochs must be > 0, got {train.num_epochs}")
+        for name in ("micro_batch_size", "gradient_accumulation_steps", "log_every_steps"):
+            if getattr(train, name) < 1:
+                errors.append(f"train.{name} must be >= 1, got {getattr(train, name)}")
+        if train.eval_every_steps < 0:
+            errors.append(f"train.eval_every_steps must be >= 0, got {train.eval_every_steps}")
+        if data.max_length < 8:
+            errors.append(f"data.max_length must be >= 8 tokens, got {data.max_length}")
+        if not 0.0 <= data.eval_fraction < 1.0:
+            errors.append(f"data.eval_fraction must be in [0, 1), got {data.eval_fraction}")
+        if data.eval_path is not None and data.eval_fraction > 0:
+            errors.append("set data.eval_path or data.eval_fraction, not both")
+        if optim.lr <= 0:
+            errors.append(f"optim.lr must be > 0, got {optim.lr}")
+        if optim.max_grad_norm < 0:
+            errors.append(f"optim.max_grad_norm must be >= 0 (0 disables clipping), got {optim.max_grad_norm}")
+        if not 0.0 <= optim.min_lr_ratio <= 1.0:
+            errors.append(f"optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio}")
+        if optim.warmup_steps < 0:
+            errors.append(f"optim.warmup_steps must be >= 0, got {optim.warmup_steps}")
+        return errors
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RecipeConfig:
+    """Read a recipe YAML, apply `section.key=value` overrides, and validate everything at once."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"recipe {path} does not exist; pass the path of a YAML file under recipes/")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"recipe {path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"recipe {path} must be a mapping of sections (model, data, optim, train, output)")
+    errors: list[str] = []
+    for override in overrides or []:
+        _apply_override(raw, override, errors)
+    recipe = _build(RecipeConfig, raw, "", errors)
+    if not errors:
+        errors.extend(recipe.cross_field_errors())
+    if errors:
+        plural = "s" if len(errors) > 1 else ""
+        raise ConfigError(f"{len(errors)} problem{plural} in {path}: " + "; ".join(errors))
+    return recipe
+
+
+def save_recipe(recipe: RecipeConfig, path: Path) -> None:
+    """Write the resolved recipe, so a run's outputs always say exactly what produced them."""
+    path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+
+
+def _apply_override(raw: dict, override: str, errors: list[str]) -> None:
+    key, sep, value = override.partition("=")
+    if not sep or not key:
+        errors.append(f"override {override!r} must look like section.key=value, e.g. optim.lr=1e-5")
+        return
+    *parents, leaf = key.split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            errors.append(f"override {override!r}: {part} is not a section")
+            return
+    node[leaf] = yaml.safe_load(value) if value else None
+
+
+def _build(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
+    """Instantiate dataclass `cls` from `raw`, appending every problem found to `errors`."""
+    where = prefix.rstrip(".") or "the recipe"
+    if not isinstance(raw, dict):
+        errors.append(f"{where} must be a mapping, got {type(raw).__name__}")
+        return None
+    num_errors_before = len(errors)
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
+            errors.append(f"unknown key {prefix}{key}{hint}")
+    values = {}
+    for name, f in fields.items():
+        if name in raw:
+            values[name] = _coerce(raw[name], hints[name], f"{prefix}{name}", errors)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            errors.append(f"missing required key {prefix}{name}")
+    if len(errors) > num_errors_before:
+        return None
+    return cls(**values)
+
+
+_INVALID = object()  # marks a value that failed its check; the error is already recorded
+
+
+def _coerce(value: Any, hint: Any, name: str, errors: list[str]) -> Any:
+    """Check `value` against type `hint`; numbers written as strings (YAML reads 1e-5 as one) are converted."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        built = _build(hint, value, name + ".", errors)
+        return _INVALID if built is None else built
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(value, inner, name, errors)
+    if origin is Literal:
+        if value in args:
+            return value
+        errors.append(f"{name} must be one of {', '.join(map(str, args))}; got {value!r}")
+        return _INVALID
+    if origin is list:
+        if isinstance(value, list) and all(isinstance(v, args[0]) for v in value):
+            return value
+        errors.append(f"{name} must be a list of {args[0].__name__}, got {value!r}")
+        return _INVALID
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint in (int, float):
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                value = hint(value)
+        if isinstance(value, int | float) and not isinstance(value, bool) and (hint is float or value == int(value)):
+            return hint(value)
+    elif isinstance(value, hint):
+        return value
+    errors.append(f"{name} must be {hint.__name__}, got {value!r}")
+    return _INVALID

@@ -1,0 +1,166 @@
+"""The offline demo: a small Llama learns to reverse lists of digits, a task with checkable answers.
+
+`build` writes everything the demo recipe needs without any network: chat datasets (train, eval
+and a held-out test set whose lists never occur in training), a byte-level BPE tokenizer trained
+on that data with `tokenizers`, and a randomly initialised Llama saved with `save_pretrained`.
+`report` reloads the base model and the exported fine-tuned model with `from_pretrained` and
+compares them on the held-out set: loss per answer token and exact-match accuracy of greedy answers.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from finetune.data import IGNORE, encode_chat
+from finetune.errors import FinetuneError
+
+NUM_TRAIN, NUM_EVAL, NUM_TEST = 6000, 200, 200
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+# Prefix-stable: rendering the first k messages gives a prefix of rendering all of them.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_example(rng: random.Random) -> dict:
+    digits = [str(rng.randrange(10)) for _ in range(rng.randint(3, 6))]
+    return {
+        "messages": [
+            {"role": "user", "content": "reverse: " + " ".join(digits)},
+            {"role": "assistant", "content": " ".join(reversed(digits))},
+        ]
+    }
+
+
+def build(workdir: str) -> None:
+    """Write data/, base/ (model + tokenizer) under `workdir`; reuses what a previous build wrote."""
+    root = Path(workdir)
+    if (root / "base" / "config.json").exists():
+        print(f"demo: reusing {root}/base and {root}/data")
+        return
+    splits = _write_data(root / "data")
+    tokenizer = _train_tokenizer(splits["train"])
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    partial = root / "base.partial"
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(root / "base")
+    print(f"demo: wrote {root}/base ({model.num_parameters():,} parameters) and {root}/data")
+
+
+def _write_data(data_dir: Path) -> dict[str, list[dict]]:
+    rng = random.Random(1234)
+    splits: dict[str, list[dict]] = {"test": [], "eval": [], "train": []}
+    held_out: set[str] = set()
+    for name, size in (("test", NUM_TEST), ("eval", NUM_EVAL), ("train", NUM_TRAIN)):
+        while len(splits[name]) < size:
+            example = make_example(rng)
+            prompt = example["messages"][0]["content"]
+            if prompt in held_out:
+                continue  # test and eval lists are distinct and never appear in training
+            if name != "train":
+                held_out.add(prompt)
+            splits[name].append(example)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for name, examples in splits.items():
+        (data_dir / f"{name}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
+    return splits
+
+
+def _train_tokenizer(examples: list[dict]) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    texts = [m["content"] for e in examples for m in e["messages"]]
+    trainer = trainers.BpeTrainer(
+        vocab_size=384, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|bos|>",
+        eos_token="<|end|>",
+        pad_token="<|pad|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def report(workdir: str, output_dir: str = "outputs/demo/run") -> None:
+    """Print base vs fine-tuned loss and exact-match accuracy on the held-out test set."""
+    root = Path(workdir)
+    base_dir, tuned_dir = root / "base", Path(output_dir) / "final"
+    for folder in (base_dir, tuned_dir):
+        if not (folder / "config.json").exists():
+            raise FinetuneError(f"{folder} holds no model; run `make demo` (it builds, trains and exports first)")
+    examples = [json.loads(line) for line in (root / "data" / "test.jsonl").read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(tuned_dir)
+    rows = []
+    for label, folder in (("base (random init)", base_dir), ("fine-tuned (exported)", tuned_dir)):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        loss = _answer_loss(model, tokenizer, examples)
+        correct, samples = _exact_match(model, tokenizer, examples)
+        rows.append((label, loss, correct, samples))
+    print(f"\nheld-out test set: {len(examples)} lists never seen in training\n")
+    print(f"{'model':<24}{'loss/answer token':>20}{'exact match':>20}")
+    for label, loss, correct, _ in rows:
+        print(f"{label:<24}{loss:>20.4f}{f'{correct}/{len(examples)} ({100 * correct / len(examples):.1f}%)':>20}")
+    print("\nexamples (fine-tuned):")
+    for prompt, expected, answer in rows[-1][3][:5]:
+        mark = "ok " if answer == expected else "bad"
+        print(f"  [{mark}] {prompt!r} -> {answer!r} (expected {expected!r})")
+
+
+@torch.no_grad()
+def _answer_loss(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, examples: list[dict]) -> float:
+    total, count = 0.0, 0
+    for example in examples:
+        ids, trained = encode_chat(example["messages"], tokenizer, completion_only=True)
+        targets = [ids[i + 1] if trained[i + 1] else IGNORE for i in range(len(ids) - 1)] + [IGNORE]
+        logits = model(input_ids=torch.tensor([ids])).logits[0]
+        targets = torch.tensor(targets)
+        total += torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum").item()
+        count += int((targets != IGNORE).sum())
+    return total / count
+
+
+@torch.no_grad()
+def _exact_match(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, examples: list[dict]
+) -> tuple[int, list[tuple[str, str, str]]]:
+    correct, samples = 0, []
+    for example in examples:
+        prompt_messages, expected = example["messages"][:1], example["messages"][1]["content"]
+        text = tokenizer.apply_chat_template(prompt_messages, tokenize=False, add_generation_prompt=True)
+        input_ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        output = model.generate(
+            input_ids,
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        answer = tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True).strip()
+        correct += answer == expected
+        samples.append((prompt_messages[0]["content"], expected, answer))
+    return correct, samples

@@ -1,0 +1,195 @@
+"""Build the Accelerator, including the adapter that runs real FSDP on CPU-only machines.
+
+`accelerate launch` turns an accelerate config into environment variables; `Accelerator()` reads
+them. On machines with GPUs that is all we do. On CPU-only machines accelerate never selects FSDP
+(its state machine enables FSDP only for accelerator devices), and a plain `Accelerator()` inside
+processes started by `accelerate launch` silently reports one process each: W independent,
+unsynchronized trainings. The adapter below closes both gaps so that the *same* config file
+trains with real sharding over gloo. It was written against accelerate 1.15; `_check_cpu_fsdp`
+fails loudly if a later accelerate stops honouring it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from typing import Any
+
+import accelerate
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DataLoaderConfiguration, DistributedType, FullyShardedDataParallelPlugin
+
+from finetune.errors import FinetuneError
+from finetune.wrap import fsdp_units
+
+
+def launched_world_size() -> int:
+    """Number of processes the launcher started (1 when run without a launcher)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def has_accelerator() -> bool:
+    """True when torch sees a GPU-like device that accelerate drives natively."""
+    return torch.accelerator.is_available() and torch.accelerator.current_accelerator().type != "mps"
+
+
+def fsdp_requested() -> bool:
+    """True when the accelerate config passed to `accelerate launch` asks for FSDP."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def build_accelerator(*, trackers: list[str], project_dir: str, recipe_activation_checkpointing: bool) -> Accelerator:
+    """Create the Accelerator for this process and check that every launched process joined it."""
+    _check_launch_environment(recipe_activation_checkpointing)
+    on_cpu = not has_accelerator()
+    plugin = _fsdp_plugin(on_cpu) if fsdp_requested() else None
+    accelerator = Accelerator(
+        cpu=on_cpu,
+        fsdp_plugin=plugin,
+        log_with=trackers or None,
+        project_dir=project_dir,
+        # A seedable sampler makes the data order a function of (seed, epoch) on every process count.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
+    if on_cpu and plugin is not None:
+        if accelerator.num_processes > 1:
+            _enable_fsdp_on_cpu(accelerator, plugin)
+        else:
+            # One CPU process has nothing to shard and trains unsharded; the plugin stays attached
+            # so that the wrap policy is still checked against the model.
+            accelerator.state.fsdp_plugin = plugin
+    if accelerator.num_processes != launched_world_size():
+        raise FinetuneError(
+            f"the launcher started {launched_world_size()} processes but this one joined a group of "
+            f"{accelerator.num_processes}: the ranks would train unsynchronized. Launch with "
+            "`accelerate launch --config_file accelerate_configs/<config>.yaml -m finetune train <recipe>`"
+        )
+    return accelerator
+
+
+def _check_launch_environment(recipe_activation_checkpointing: bool) -> None:
+    """Reject recipe/accelerate-config combinations that contradict each other or the hardware."""
+    if recipe_activation_checkpointing and os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false") == "true":
+        raise FinetuneError(
+            "activation checkpointing is enabled both in the recipe (train.activation_checkpointing) and in the "
+            "accelerate config (fsdp_activation_checkpointing); remove one of them"
+        )
+    mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        raise FinetuneError(
+            f"the accelerate config asks for mixed_precision: bf16 but {torch.cuda.get_device_name()} has no bf16; "
+            "use mixed_precision: fp16 or 'no' in the accelerate config"
+        )
+
+
+def _fsdp_plugin(on_cpu: bool) -> FullyShardedDataParallelPlugin:
+    """The FSDP plugin from the launcher's environment.
+
+    accelerate raises while building an FSDP1 plugin with `sync_module_states` on a machine without
+    an accelerator, and torch's FSDP1 refuses to sync CPU tensors anyway. On CPU we build the plugin
+    with it off and broadcast rank 0's weights ourselves (`broadcast_module_states`).
+    """
+    fsdp1 = os.environ.get("FSDP_VERSION", "1") == "1"
+    return FullyShardedDataParallelPlugin(sync_module_states=False) if on_cpu and fsdp1 else FullyShardedDataParallelPlugin()
+
+
+def _enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
+    """Switch a MULTI_CPU (gloo) accelerator to FSDP, as accelerate itself does for GPUs.
+
+    Both states must change: AcceleratorState copies PartialState's fields, and setting only one
+    of them is silently undone. FSDP1 also needs the device to be plain `cpu`, not `cpu:0`.
+    """
+    for state in (accelerator.state, PartialState()):
+        state.distributed_type = DistributedType.FSDP
+        state.device = torch.device("cpu")
+    accelerator.state.fsdp_plugin = plugin
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    _check_cpu_fsdp(accelerator, plugin)
+
+
+def _check_cpu_fsdp(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
+    """Fail loudly if this accelerate version no longer honours the adapter."""
+    honoured = (
+        accelerator.distributed_type == DistributedType.FSDP
+        and PartialState().distributed_type == DistributedType.FSDP
+        and accelerator.state.fsdp_plugin is plugin
+        and accelerator.is_fsdp2 == (plugin.fsdp_version == 2)
+    )
+    if not honoured:
+        raise RuntimeError(
+            f"the CPU FSDP adapter (tested with accelerate 1.15) does not take effect with accelerate "
+            f"{accelerate.__version__}: distributed_type={accelerator.distributed_type}. Pin accelerate~=1.15.0 "
+            "or update finetune/distributed.py"
+        )
+
+
+def broadcast_module_states(accelerator: Accelerator, model: torch.nn.Module) -> None:
+    """Copy rank 0's parameters and buffers to every rank: FSDP1's `sync_module_states`, done by hand on CPU."""
+    requested = os.environ.get("FSDP_SYNC_MODULE_STATES", "false").lower() == "true"
+    fsdp1_on_cpu = (
+        accelerator.distributed_type == DistributedType.FSDP
+        and accelerator.state.fsdp_plugin.fsdp_version == 1
+        and accelerator.device.type == "cpu"
+    )
+    if not (requested and fsdp1_on_cpu):
+        return
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            torch.distributed.broadcast(tensor.data, src=0)
+
+
+def strategy_name(accelerator: Accelerator) -> str:
+    """A short human name for what this run really does, e.g. `FSDP2 (reshard_after_forward=True)`."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        if accelerator.num_processes > 1:
+            return f"DDP over {accelerator.num_processes} processes"
+        return "single process (no sharding)"
+    plugin = accelerator.state.fsdp_plugin
+    if plugin.fsdp_version == 2:
+        detail = f"reshard_after_forward={plugin.reshard_after_forward}"
+    else:
+        detail = f"sharding_strategy={plugin.sharding_strategy.name}"
+    offload = ", CPU offload" if _offloads(plugin) else ""
+    return f"FSDP{plugin.fsdp_version} ({detail}{offload}) over {accelerator.num_processes} processes"
+
+
+def _offloads(plugin: FullyShardedDataParallelPlugin) -> bool:
+    offload = plugin.cpu_offload
+    return bool(getattr(offload, "offload_params", False)) or type(offload).__name__ == "CPUOffloadPolicy"
+
+
+def shard_report(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, Any]:
+    """How many parameter elements this rank really holds, per FSDP unit (or per parameter) and in total.
+
+    Measured from the local tensors: DTensor shards (FSDP2), the local FlatParameter shard (FSDP1),
+    or the full parameters (DDP / single process).
+    """
+    if accelerator.distributed_type == DistributedType.FSDP:
+        units = [dataclasses.asdict(unit) for unit in fsdp_units(model)]
+    else:
+        units = [
+            {"class_name": n, "numel_global": p.numel(), "numel_local": p.numel()} for n, p in model.named_parameters()
+        ]
+    return {
+        "rank": accelerator.process_index,
+        "num_processes": accelerator.num_processes,
+        "distributed_type": accelerator.distributed_type.value,
+        "strategy": strategy_name(accelerator),
+        "numel_global": sum(u["numel_global"] for u in units),
+        "numel_local": sum(u["numel_local"] for u in units),
+        "units": units,
+    }
+
+
+def local_params_fingerprint(model: torch.nn.Module) -> str:
+    """A hash of the parameter values this rank holds; equal across DDP ranks iff they stayed in sync."""
+    from torch.distributed.tensor import DTensor
+
+    digest = hashlib.sha256()
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        digest.update(local.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,61 @@
+"""Metrics: a JSONL file, accelerate trackers and a progress bar, all on the main process.
+
+Metric names are stable: loss, lr, grad_norm, tokens_per_second, eval_loss.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+
+class MetricsLogger:
+    """Writes one JSON object per logged step to `metrics.jsonl` and forwards it to the trackers."""
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        output_dir: Path,
+        max_steps: int,
+        tracker_config: dict[str, Any],
+        trackers: list[str],
+    ):
+        self.accelerator = accelerator
+        self.enabled = accelerator.is_main_process
+        self.path = output_dir / "metrics.jsonl"
+        self.bar = tqdm(total=max_steps, desc="training", disable=not self.enabled, dynamic_ncols=True)
+        if trackers:
+            accelerator.init_trackers("finetune", config=_flatten(tracker_config))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.accelerator.log(metrics, step=step)
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if "loss" in metrics:
+            self.bar.set_postfix(
+                loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", tok_s=f"{metrics['tokens_per_second']:.0f}"
+            )
+
+    def advance(self) -> None:
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.accelerator.end_training()
+
+
+def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Trackers take flat scalar hyperparameters: {"optim": {"lr": 1}} -> {"optim.lr": 1}."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value if isinstance(value, int | float | str | bool) else str(value)
+    return flat

@@ -1,0 +1,51 @@
+"""Load the model and tokenizer a recipe names."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from finetune.config import ModelConfig
+from finetune.errors import FinetuneError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, with a pad token (the EOS token when the tokenizer has none)."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise FinetuneError(
+            f"cannot load a tokenizer from {cfg.name_or_path!r} ({_first_line(exc)}); set model.name_or_path "
+            "to a hub id or a local folder holding the tokenizer files"
+        ) from None
+    if not tokenizer.is_fast:
+        raise FinetuneError(f"the tokenizer of {cfg.name_or_path!r} is not a fast tokenizer; install `tokenizers`")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(cfg: ModelConfig, activation_checkpointing: bool) -> PreTrainedModel:
+    """The model in the recipe's parameter dtype, never in the checkpoint's dtype by accident."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.name_or_path,
+            dtype=DTYPES[cfg.dtype],
+            attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+    except (OSError, ValueError) as exc:
+        raise FinetuneError(
+            f"cannot load a causal LM from {cfg.name_or_path!r} ({_first_line(exc)}); set model.name_or_path "
+            "to a hub id or a local folder with config.json and safetensors weights"
+        ) from None
+    model.config.use_cache = False  # the KV cache only costs memory in training
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

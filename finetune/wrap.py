@@ -1,0 +1,121 @@
+"""The FSDP wrap plan: validated against the model before sharding, reported from the model after.
+
+Silent wrong wrapping is the classic FSDP failure: a misspelled layer class or a size threshold
+that matches nothing leaves the whole model in one unit, which trains but gathers every parameter
+at once. Both are errors here, and the plan that really took effect is printed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from accelerate.utils import FullyShardedDataParallelPlugin
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+from torch.distributed.tensor import DTensor
+
+from finetune.errors import FinetuneError
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP unit: the parameters it all-gathers together."""
+
+    class_name: str
+    numel_global: int
+    numel_local: int
+
+
+def validate_wrap_policy(plugin: FullyShardedDataParallelPlugin, model: torch.nn.Module) -> None:
+    """Check that the accelerate config's wrap policy matches modules of `model`; resolve default classes."""
+    policy = plugin.auto_wrap_policy
+    if policy is transformer_auto_wrap_policy:
+        requested = [name.strip() for name in plugin.transformer_cls_names_to_wrap or [] if name.strip()]
+        names = requested or list(getattr(model, "_no_split_modules", None) or [])
+        if not names:
+            raise FinetuneError(
+                f"{type(model).__name__} declares no _no_split_modules, so the wrap class cannot be inferred; set "
+                f"fsdp_transformer_layer_cls_to_wrap in the accelerate config to one of: {_candidates(model)}"
+            )
+        present = {type(m).__name__ for m in model.modules()}
+        missing = [name for name in names if name not in present]
+        if missing:
+            raise FinetuneError(
+                f"fsdp_transformer_layer_cls_to_wrap names {', '.join(missing)}, which {type(model).__name__} does "
+                f"not contain; use one of: {_candidates(model)}"
+            )
+        plugin.transformer_cls_names_to_wrap = names
+    elif policy is size_based_auto_wrap_policy:
+        largest_name, largest = max(
+            ((name, _numel(m)) for name, m in model.named_modules() if m is not model), key=lambda item: item[1]
+        )
+        if plugin.min_num_params <= 0 or plugin.min_num_params > largest:
+            raise FinetuneError(
+                f"fsdp_min_num_params={plugin.min_num_params} wraps no module of {type(model).__name__} (the largest "
+                f"below the root, {largest_name}, has {largest:,} parameters); set fsdp_min_num_params between 1 and "
+                f"{largest:,}, or use fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP"
+            )
+
+
+def _candidates(model: torch.nn.Module) -> str:
+    """Module classes of `model` that could be wrap units: `_no_split_modules` first, then the rest."""
+    preferred = list(getattr(model, "_no_split_modules", None) or [])
+    others = []
+    for module in model.modules():
+        name = type(module).__name__
+        if module is not model and name not in preferred and name not in others and _numel(module) > 0:
+            others.append(name)
+    return ", ".join(preferred + others)
+
+
+def _numel(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def fsdp_units(model: torch.nn.Module) -> list[Unit]:
+    """The FSDP units of a prepared model with global and local (this rank's) parameter counts."""
+    if isinstance(model, FullyShardedDataParallel):
+        units = []
+        for module in FullyShardedDataParallel.fsdp_modules(model):
+            flat = module._flat_param  # FSDP1 exposes no public handle on the sharded flat parameter
+            if flat is not None:
+                units.append(Unit(type(module.module).__name__, flat._unpadded_unsharded_size.numel(), flat.numel()))
+        return units
+    units, seen = [], set()
+    for owner in (m for m in model.modules() if isinstance(m, FSDPModule)):
+        # Tied weights appear under two modules; count each parameter once, in the first unit.
+        own = [p for p in _managed_params(owner) if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        units.append(Unit(_base_class_name(owner), sum(p.numel() for p in own), sum(_local(p).numel() for p in own)))
+    return units
+
+
+def _managed_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Parameters of `module`'s subtree that no nested FSDP unit claims."""
+    params = list(module.parameters(recurse=False))
+    for child in module.children():
+        if not isinstance(child, FSDPModule):
+            params += _managed_params(child)
+    return params
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _base_class_name(module: torch.nn.Module) -> str:
+    """`fully_shard` swaps a module's class for a generated `FSDP<Class>`; name the original class."""
+    return next(base.__name__ for base in type(module).__bases__ if base is not FSDPModule)
+
+
+def format_wrap_plan(units: list[Unit]) -> str:
+    """A table of the units by class: how many, and parameters per unit."""
+    by_class: dict[str, list[int]] = {}
+    for unit in units:
+        by_class.setdefault(unit.class_name, []).append(unit.numel_global)
+    lines = [f"FSDP wrap plan: {len(units)} units, {sum(u.numel_global for u in units):,} parameters"]
+    for name, sizes in by_class.items():
+        each = f"{sizes[0]:,}" if len(set(sizes)) == 1 else f"{min(sizes):,}-{max(sizes):,}"
+        lines.append(f"  {name:<28} x{len(sizes):<4} {each} params each")
+    return "\n".join(lines)

@@ -1,0 +1,126 @@
+"""Shared fixtures: tiny offline assets and real multi-process runs that several tests assert on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_RECIPE = REPO / "recipes" / "demo" / "tiny_llama.yaml"
+CONFIGS = REPO / "accelerate_configs"
+
+# Hermetic: no hub access, quiet tokenizers.
+os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+
+
+@dataclass
+class Run:
+    """A finished `accelerate launch ... -m finetune train` and what it left behind."""
+
+    result: subprocess.CompletedProcess
+    output_dir: Path
+
+    @property
+    def log(self) -> str:
+        return self.result.stdout + self.result.stderr
+
+    def metrics(self) -> list[dict]:
+        return [json.loads(line) for line in (self.output_dir / "metrics.jsonl").read_text().splitlines()]
+
+    def losses(self) -> list[float]:
+        return [m["loss"] for m in self.metrics() if "loss" in m]
+
+    def rank_reports(self) -> list[dict]:
+        return [json.loads(p.read_text()) for p in sorted((self.output_dir / "ranks").glob("rank_*.json"))]
+
+
+def launch(
+    config: str, overrides: list[str], *, num_processes: int = 2, launch_args: tuple[str, ...] = (), env=None
+) -> subprocess.CompletedProcess:
+    """Start real processes with `accelerate launch`, exactly as a user would."""
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(CONFIGS / config),
+        "--num_processes", str(num_processes),
+        "--mixed_precision", "no",
+        "--main_process_port", str(_free_port()),
+        *launch_args,
+        "-m", "finetune", "train", str(DEMO_RECIPE), *overrides,
+    ]  # fmt: skip
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def demo_assets(tmp_path_factory) -> Path:
+    """The demo's base model, tokenizer and data, built offline by the real `finetune demo build`."""
+    from finetune import demo
+
+    root = tmp_path_factory.mktemp("demo")
+    demo.build(str(root))
+    return root
+
+
+def recipe_overrides(assets: Path, output_dir: Path, **extra) -> list[str]:
+    """Point the demo recipe at test assets and keep runs short."""
+    values = {
+        "model.name_or_path": assets / "base",
+        "data.train_path": assets / "data" / "train.jsonl",
+        "data.eval_path": assets / "data" / "eval.jsonl",
+        "output.dir": output_dir,
+        "output.trackers": "[]",
+        "train.max_steps": 16,
+        "train.eval_every_steps": 8,
+        "train.log_every_steps": 1,
+        "optim.warmup_steps": 2,
+        **extra,
+    }
+    return [f"{key}={value}" for key, value in values.items()]
+
+
+def _run(tmp_path_factory, assets: Path, name: str, config: str, num_processes: int = 2, **extra) -> Run:
+    output_dir = tmp_path_factory.mktemp(name) / "out"
+    result = launch(config, recipe_overrides(assets, output_dir, **extra), num_processes=num_processes)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return Run(result, output_dir)
+
+
+@pytest.fixture(scope="session")
+def fsdp2_run(tmp_path_factory, demo_assets) -> Run:
+    """FSDP2 full shard, packed chat data, tensorboard tracker on."""
+    return _run(
+        tmp_path_factory, demo_assets, "fsdp2", "fsdp2_full_shard.yaml", **{"output.trackers": "[tensorboard]"}
+    )
+
+
+@pytest.fixture(scope="session")
+def shard_grad_op_run(tmp_path_factory, demo_assets) -> Run:
+    """FSDP2 shard-grad-op with gradient accumulation."""
+    return _run(
+        tmp_path_factory, demo_assets, "sgo", "fsdp2_shard_grad_op.yaml", **{"train.gradient_accumulation_steps": 2}
+    )
+
+
+@pytest.fixture(scope="session")
+def fsdp1_run(tmp_path_factory, demo_assets) -> Run:
+    """FSDP1 full shard on padded (not packed) batches."""
+    return _run(tmp_path_factory, demo_assets, "fsdp1", "fsdp1_full_shard.yaml", **{"data.packing": "false"})
+
+
+@pytest.fixture(scope="session")
+def ddp_run(tmp_path_factory, demo_assets) -> Run:
+    """DDP with gradient accumulation (no_sync on all but the last micro-batch)."""
+    return _run(tmp_path_factory, demo_assets, "ddp", "ddp.yaml", **{"train.gradient_accumulation_steps": 2})
