@@ -91,8 +91,9 @@ def _fsdp_plugin(on_cpu: bool) -> FullyShardedDataParallelPlugin:
     an accelerator, and torch's FSDP1 refuses to sync CPU tensors anyway. On CPU we build the plugin
     with it off and broadcast rank 0's weights ourselves (`broadcast_module_states`).
     """
-    fsdp1 = os.environ.get("FSDP_VERSION", "1") == "1"
-    return FullyShardedDataParallelPlugin(sync_module_states=False) if on_cpu and fsdp1 else FullyShardedDataParallelPlugin()
+    if on_cpu and os.environ.get("FSDP_VERSION", "1") == "1":
+        return FullyShardedDataParallelPlugin(sync_module_states=False)
+    return FullyShardedDataParallelPlugin()
 
 
 def _enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
