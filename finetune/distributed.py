@@ -20,6 +20,7 @@ import accelerate
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DataLoaderConfiguration, DistributedType, FullyShardedDataParallelPlugin
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 from finetune.errors import FinetuneError
 from finetune.wrap import fsdp_units
@@ -108,6 +109,9 @@ def _enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParall
     accelerator.state.fsdp_plugin = plugin
     if accelerator.mixed_precision != "no":
         plugin.set_mixed_precision(accelerator.mixed_precision)
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+        # FSDP2's offload pins host memory, which needs a GPU; on CPU the shards already live in host RAM.
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
     _check_cpu_fsdp(accelerator, plugin)
 
 
@@ -159,7 +163,7 @@ def strategy_name(accelerator: Accelerator) -> str:
 
 def _offloads(plugin: FullyShardedDataParallelPlugin) -> bool:
     offload = plugin.cpu_offload
-    return bool(getattr(offload, "offload_params", False)) or type(offload).__name__ == "CPUOffloadPolicy"
+    return isinstance(offload, CPUOffloadPolicy) or bool(getattr(offload, "offload_params", False))
 
 
 def shard_report(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, Any]:

@@ -59,14 +59,12 @@ class StepResult:
 def train(recipe: RecipeConfig) -> Path:
     """Run the recipe under the accelerate config this process was launched with; return the output dir."""
     output_dir = Path(recipe.output.dir)
+    _check_output_dir(output_dir, recipe.output.overwrite)
     accelerator = build_accelerator(
         trackers=recipe.output.trackers,
         project_dir=str(output_dir),
         recipe_activation_checkpointing=recipe.train.activation_checkpointing,
     )
-    _claim_output_dir(output_dir, recipe.output.overwrite, accelerator)
-    if accelerator.is_main_process:
-        save_recipe(recipe, output_dir / "recipe.yaml")
     set_seed(recipe.train.seed)
 
     tokenizer = load_tokenizer(recipe.model)
@@ -83,13 +81,39 @@ def train(recipe: RecipeConfig) -> Path:
     eval_loader = accelerator.prepare(data.eval_loader) if data.eval_loader is not None else None
     max_steps = _max_steps(recipe, train_loader)
     scheduler = build_scheduler(optimizer.optimizer, recipe.optim, max_steps)
+    # Everything is validated and built: only now is the output dir written to.
+    _claim_output_dir(output_dir, accelerator)
+    if accelerator.is_main_process:
+        save_recipe(recipe, output_dir / "recipe.yaml")
 
     _log_setup(accelerator, recipe, data, model, max_steps)
     metrics = MetricsLogger(accelerator, output_dir, max_steps, recipe.to_dict(), recipe.output.trackers)
+    try:
+        data_digest = run_steps(recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, metrics)
+        if recipe.output.export:
+            export_dtype = DTYPES[recipe.output.export_dtype or recipe.model.dtype]
+            export_model(accelerator, model, tokenizer, output_dir / "final", export_dtype)
+        _write_rank_report(accelerator, model, output_dir, data_digest, max_steps)
+    finally:
+        metrics.close()  # ends the progress bar, so that an error message starts on its own line
+    return output_dir
+
+
+def run_steps(
+    recipe: RecipeConfig,
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    train_loader: DataLoader,
+    eval_loader: DataLoader | None,
+    metrics: MetricsLogger,
+) -> str:
+    """Train for `metrics.max_steps` steps, logging and evaluating on schedule; return a digest of the data seen."""
     data_digest = hashlib.sha256()
     last_log_time, tokens_since_log = time.perf_counter(), 0
     batches = _accumulation_windows(train_loader, recipe.train.gradient_accumulation_steps)
-    for step in range(1, max_steps + 1):
+    for step in range(1, metrics.max_steps + 1):
         micro_batches = next(batches)
         for batch in micro_batches:
             data_digest.update(batch["input_ids"].numpy().tobytes())
@@ -98,7 +122,8 @@ def train(recipe: RecipeConfig) -> Path:
         scheduler.step()
         tokens_since_log += result.num_tokens
         metrics.advance()
-        if step % recipe.train.log_every_steps == 0 or step == max_steps:
+        last_step = step == metrics.max_steps
+        if step % recipe.train.log_every_steps == 0 or last_step:
             elapsed = time.perf_counter() - last_log_time
             metrics.log(
                 step,
@@ -112,15 +137,9 @@ def train(recipe: RecipeConfig) -> Path:
             )
             last_log_time, tokens_since_log = time.perf_counter(), 0
         eval_due = recipe.train.eval_every_steps and step % recipe.train.eval_every_steps == 0
-        if eval_loader is not None and (eval_due or step == max_steps):
+        if eval_loader is not None and (eval_due or last_step):
             metrics.log(step, {"eval_loss": evaluate(model, eval_loader, accelerator)})
-
-    if recipe.output.export:
-        export_dtype = DTYPES[recipe.output.export_dtype or recipe.model.dtype]
-        export_model(accelerator, model, tokenizer, output_dir / "final", export_dtype)
-    _write_rank_report(accelerator, model, output_dir, data_digest.hexdigest(), max_steps)
-    metrics.close()
-    return output_dir
+    return data_digest.hexdigest()
 
 
 def train_step(
@@ -185,17 +204,20 @@ def _max_steps(recipe: RecipeConfig, train_loader: DataLoader) -> int:
     return max(1, math.ceil(recipe.train.num_epochs * steps_per_epoch))
 
 
-def _claim_output_dir(output_dir: Path, overwrite: bool, accelerator: Accelerator) -> None:
-    """Refuse a non-empty output dir unless overwrite is set; every rank checks before anything is written."""
+def _check_output_dir(output_dir: Path, overwrite: bool) -> None:
+    """Refuse a non-empty output dir unless overwrite is set, so earlier results are never lost."""
     if output_dir.exists() and any(output_dir.iterdir()) and not overwrite:
         raise FinetuneError(
             f"output dir {output_dir} is not empty; choose another output.dir or pass output.overwrite=true "
             "to replace its contents"
         )
+
+
+def _claim_output_dir(output_dir: Path, accelerator: Accelerator) -> None:
+    """Create the output dir and clear what an earlier run left that this one would mix with its own."""
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
-        # Results of an earlier run that this one would otherwise mix with its own.
         (output_dir / "metrics.jsonl").unlink(missing_ok=True)
         shutil.rmtree(output_dir / "ranks", ignore_errors=True)
     accelerator.wait_for_everyone()

@@ -25,6 +25,7 @@ class MetricsLogger:
         trackers: list[str],
     ):
         self.accelerator = accelerator
+        self.max_steps = max_steps
         self.enabled = accelerator.is_main_process
         self.path = output_dir / "metrics.jsonl"
         self.bar = tqdm(total=max_steps, desc="training", disable=not self.enabled, dynamic_ncols=True)

@@ -47,15 +47,31 @@ def validate_wrap_policy(plugin: FullyShardedDataParallelPlugin, model: torch.nn
             )
         plugin.transformer_cls_names_to_wrap = names
     elif policy is size_based_auto_wrap_policy:
-        largest_name, largest = max(
-            ((name, _numel(m)) for name, m in model.named_modules() if m is not model), key=lambda item: item[1]
+        _validate_size_policy(plugin, model)
+
+
+def _validate_size_policy(plugin: FullyShardedDataParallelPlugin, model: torch.nn.Module) -> None:
+    threshold = plugin.min_num_params
+    sizes = [(name, module, _numel(module)) for name, module in model.named_modules() if module is not model]
+    largest_name, _, largest = max(sizes, key=lambda item: item[2])
+    # FSDP1 wraps a module holding >= threshold parameters not yet wrapped below it; accelerate's
+    # FSDP2 policy wraps every module whose whole subtree holds > threshold.
+    fsdp2 = plugin.fsdp_version == 2
+    selected = [(name, m, n) for name, m, n in sizes if (n > threshold if fsdp2 else n >= threshold)]
+    if threshold <= 0 or not selected:
+        raise FinetuneError(
+            f"fsdp_min_num_params={threshold} wraps no module of {type(model).__name__} (the largest below the "
+            f"root, {largest_name}, has {largest:,} parameters); set fsdp_min_num_params between 1 and "
+            f"{largest - 1:,}, or use fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP"
         )
-        if plugin.min_num_params <= 0 or plugin.min_num_params > largest:
-            raise FinetuneError(
-                f"fsdp_min_num_params={plugin.min_num_params} wraps no module of {type(model).__name__} (the largest "
-                f"below the root, {largest_name}, has {largest:,} parameters); set fsdp_min_num_params between 1 and "
-                f"{largest:,}, or use fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP"
-            )
+    containers = [(name, n) for name, m, n in selected if isinstance(m, torch.nn.ModuleList | torch.nn.ModuleDict)]
+    if fsdp2 and containers:
+        name, numel = containers[0]
+        raise FinetuneError(
+            f"under FSDP2, fsdp_min_num_params={threshold} selects {name} ({numel:,} parameters), a "
+            f"{type(model.get_submodule(name)).__name__} that fully_shard cannot wrap; use fsdp_auto_wrap_policy: "
+            "TRANSFORMER_BASED_WRAP, or fsdp_version: 1 for size-based wrapping"
+        )
 
 
 def _candidates(model: torch.nn.Module) -> str:

@@ -1,0 +1,110 @@
+"""Recipe loading: types, overrides, typo suggestions, all errors at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune.config import ConfigError, RecipeConfig, load_recipe, save_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
+
+MINIMAL = {
+    "model": {"name_or_path": "m"},
+    "data": {"train_path": "d.jsonl", "max_length": 64},
+    "optim": {"lr": "1e-5"},
+    "train": {"micro_batch_size": 2, "max_steps": 3},
+    "output": {"dir": "out"},
+}
+
+
+def write(tmp_path: Path, recipe: dict) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[str(p.relative_to(REPO)) for p in RECIPES])
+def test_every_recipe_loads_and_starts_with_its_launch_command(path):
+    recipe = load_recipe(path)
+    assert isinstance(recipe, RecipeConfig)
+    header = path.read_text().split("\n\n")[0]
+    assert header.startswith("#") and "accelerate launch --config_file accelerate_configs/" in header
+    assert f"-m finetune train {path.relative_to(REPO)}" in header
+
+
+def test_defaults_and_yaml_exponent_strings(tmp_path):
+    recipe = load_recipe(write(tmp_path, MINIMAL))
+    assert recipe.optim.lr == 1e-5  # YAML reads 1e-5 as a string; the float field converts it
+    assert recipe.data.packing and recipe.data.completion_only_loss
+    assert recipe.model.dtype == "float32" and not recipe.model.trust_remote_code
+
+
+def test_dotted_overrides(tmp_path):
+    recipe = load_recipe(
+        write(tmp_path, MINIMAL),
+        ["optim.lr=3e-4", "train.seed=7", "output.trackers=[tensorboard]", "data.packing=false"],
+    )
+    assert (recipe.optim.lr, recipe.train.seed, recipe.output.trackers) == (3e-4, 7, ["tensorboard"])
+    assert recipe.data.packing is False
+
+
+def test_unknown_key_suggests_nearest(tmp_path):
+    bad = {**MINIMAL, "data": {**MINIMAL["data"], "pakcing": True}}
+    with pytest.raises(ConfigError, match=r"unknown key data\.pakcing; did you mean data\.packing\?"):
+        load_recipe(write(tmp_path, bad))
+
+
+def test_all_errors_reported_at_once(tmp_path):
+    bad = {**MINIMAL, "optim": {"lr": 1e-5, "schedule": "cosin"}}
+    with pytest.raises(ConfigError) as info:
+        load_recipe(write(tmp_path, bad), ["train.micro_batch_size=two", "bogus.x=1", "model.name_or_path="])
+    message = str(info.value)
+    assert message.startswith("4 problems in")
+    for fragment in (
+        "unknown key bogus; valid keys: model, data, optim, train, output",
+        "optim.schedule must be one of cosine, linear, constant; got 'cosin'",
+        "train.micro_batch_size must be int, got 'two'",
+        "model.name_or_path must be str, got None",
+    ):
+        assert fragment in message
+
+
+def test_missing_required_keys(tmp_path):
+    bad = {key: value for key, value in MINIMAL.items() if key != "output"}
+    bad["optim"] = {}
+    with pytest.raises(ConfigError) as info:
+        load_recipe(write(tmp_path, bad))
+    assert "missing required key optim.lr" in str(info.value)
+    assert "missing required key output" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.num_epochs=1"], "set exactly one of train.max_steps and train.num_epochs"),
+        (["train.max_steps=0"], "train.max_steps must be >= 1"),
+        (["data.eval_fraction=0.1", "data.eval_path=e.jsonl"], "set data.eval_path or data.eval_fraction, not both"),
+        (["optim.lr=0"], "optim.lr must be > 0"),
+        (["data.max_length=4"], "data.max_length must be >= 8"),
+    ],
+)
+def test_cross_field_checks_name_the_fix(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(write(tmp_path, MINIMAL), overrides)
+
+
+def test_bad_override_syntax_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        load_recipe(write(tmp_path, MINIMAL), ["optim.lr"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_recipe(tmp_path / "nope.yaml")
+
+
+def test_saved_recipe_round_trips(tmp_path):
+    recipe = load_recipe(write(tmp_path, MINIMAL), ["optim.lr=2e-4"])
+    save_recipe(recipe, tmp_path / "resolved.yaml")
+    assert load_recipe(tmp_path / "resolved.yaml") == recipe

@@ -1,0 +1,153 @@
+"""Data: loss masks per format, truncation accounting, packing boundaries, padding, loading."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+from transformers import AutoTokenizer
+
+from finetune.config import DataConfig
+from finetune.data import (
+    IGNORE,
+    _tokenize_example,
+    collate_padded,
+    detect_format,
+    encode_chat,
+    encode_prompt_completion,
+    encode_text,
+    load_split,
+    pack,
+    prepare_split,
+    tokenize,
+)
+from finetune.errors import FinetuneError
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_assets):
+    return AutoTokenizer.from_pretrained(demo_assets / "base")
+
+
+def trained_text(tokenizer, ids, trained) -> str:
+    return tokenizer.decode([i for i, t in zip(ids, trained, strict=True) if t])
+
+
+def chat(*turns: tuple[str, str]) -> list[dict]:
+    return [{"role": role, "content": content} for role, content in turns]
+
+
+def test_chat_trains_every_assistant_turn_with_its_end_token(tokenizer):
+    messages = chat(
+        ("system", "be brief"), ("user", "reverse: 1 2"), ("assistant", "2 1"), ("user", "again"), ("assistant", "1 2")
+    )
+    ids, trained = encode_chat(messages, tokenizer, completion_only=True)
+    assert trained_text(tokenizer, ids, trained) == "2 1<|end|>1 2<|end|>"
+    ids_all, trained_all = encode_chat(messages, tokenizer, completion_only=False)
+    assert ids_all == ids and all(trained_all)
+
+
+def test_prompt_completion_trains_completion_and_eos(tokenizer):
+    ids, trained = encode_prompt_completion("reverse: 3 4", " 4 3", tokenizer, completion_only=True)
+    assert trained_text(tokenizer, ids, trained) == " 4 3<|end|>"
+    assert ids[0] == tokenizer.bos_token_id or tokenizer.bos_token_id not in ids
+    _, trained_all = encode_prompt_completion("reverse: 3 4", " 4 3", tokenizer, completion_only=False)
+    assert all(trained_all)
+
+
+def test_text_trains_everything_and_ends_with_eos(tokenizer):
+    ids, trained = encode_text("1 2 3", tokenizer)
+    assert all(trained) and ids[-1] == tokenizer.eos_token_id
+
+
+def test_targets_are_next_tokens_within_the_sample(tokenizer):
+    example = {"messages": chat(("user", "reverse: 1 2 3"), ("assistant", "3 2 1"))}
+    row = _tokenize_example(example, tokenizer=tokenizer, fmt="chat", max_length=64, completion_only=True)
+    ids, targets = row["input_ids"], row["target_ids"]
+    assert len(ids) == len(targets) and targets[-1] == IGNORE and not row["truncated"]
+    for i, target in enumerate(targets[:-1]):
+        assert target in (IGNORE, ids[i + 1])
+    assert tokenizer.decode([t for t in targets if t != IGNORE]) == "3 2 1<|end|>"
+
+
+def test_truncation_and_dropping_are_counted(tokenizer):
+    long_answer = " ".join(["9"] * 40)
+    raw = datasets.Dataset.from_list(
+        [
+            {"messages": chat(("user", "reverse: 1 2"), ("assistant", "2 1"))},
+            {"messages": chat(("user", "reverse: " + long_answer), ("assistant", long_answer))},  # answer cut
+            {"messages": chat(("user", "reverse: " + " ".join(["8"] * 60)), ("assistant", "8"))},  # answer gone
+        ]
+    )
+    cfg = DataConfig(train_path="unused", max_length=48, packing=False)
+    rows, stats = prepare_split(raw, tokenizer, cfg, seed=0)
+    assert (stats.num_samples, stats.num_truncated, stats.num_dropped, stats.num_rows) == (3, 2, 1, 2)
+    assert all(len(row["input_ids"]) <= 48 for row in rows)
+    assert stats.num_target_tokens == sum(sum(t != IGNORE for t in row["target_ids"]) for row in rows)
+
+
+def test_packing_fills_rows_and_never_predicts_across_samples(tokenizer):
+    raw = datasets.Dataset.from_list(
+        [{"messages": chat(("user", f"reverse: {i} {i + 1}"), ("assistant", f"{i + 1} {i}"))} for i in range(40)]
+    )
+    cfg = DataConfig(train_path="unused", max_length=64)
+    tokenized = tokenize(raw, tokenizer, cfg)
+    packed = pack(tokenized, 64, tokenizer.pad_token_id)
+    assert len(packed) < len(tokenized)
+    total_targets = 0
+    for row in packed:
+        assert len(row["input_ids"]) == len(row["target_ids"]) == len(row["position_ids"]) == 64
+        positions, targets = row["position_ids"], row["target_ids"]
+        for i in range(63):
+            if positions[i + 1] == 0:  # a new sample (or the padding tail) starts at i + 1
+                assert targets[i] == IGNORE
+            else:
+                assert positions[i + 1] == positions[i] + 1
+        total_targets += sum(t != IGNORE for t in targets)
+        assert row["num_tokens"] <= 64
+    assert total_targets == sum(sum(t != IGNORE for t in row["target_ids"]) for row in tokenized)
+
+
+def test_padded_collate_masks_padding(tokenizer):
+    rows = [{"input_ids": [5, 6, 7], "target_ids": [6, 7, IGNORE]}, {"input_ids": [5], "target_ids": [IGNORE]}]
+    batch = collate_padded(rows, pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [5, 0, 0]]
+    assert batch["target_ids"].tolist() == [[6, 7, IGNORE], [IGNORE, IGNORE, IGNORE]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert int(batch["num_tokens"]) == 4
+
+
+def test_format_detection_and_missing_columns():
+    assert detect_format(["messages", "id"], "auto") == "chat"
+    assert detect_format(["prompt", "completion"], "auto") == "prompt_completion"
+    assert detect_format(["text"], "auto") == "text"
+    with pytest.raises(
+        FinetuneError, match=r"columns \['question', 'answer'\], expected messages or prompt\+completion"
+    ):
+        detect_format(["question", "answer"], "auto")
+    with pytest.raises(FinetuneError, match="expected messages; rename the columns, or set data.format"):
+        detect_format(["text"], "chat")
+
+
+def test_empty_dataset_is_an_error(tokenizer):
+    empty = datasets.Dataset.from_dict({"text": []})
+    with pytest.raises(FinetuneError, match="the dataset is empty"):
+        tokenize(empty, tokenizer, DataConfig(train_path="unused", max_length=32))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet"])
+def test_local_files_load(tmp_path, suffix):
+    data = datasets.Dataset.from_dict({"prompt": ["a", "b"], "completion": ["c", "d"]})
+    path = tmp_path / f"data{suffix}"
+    {".jsonl": data.to_json, ".json": data.to_json, ".csv": data.to_csv, ".parquet": data.to_parquet}[suffix](
+        str(path)
+    )
+    loaded = load_split(str(path), "train")
+    assert loaded.column_names == ["prompt", "completion"] and len(loaded) == 2
+
+
+def test_unloadable_datasets_say_what_to_fix(tmp_path):
+    (tmp_path / "data.txt").write_text("x")
+    with pytest.raises(FinetuneError, match="unsupported file type"):
+        load_split(str(tmp_path / "data.txt"), "train")
+    with pytest.raises(FinetuneError, match="cannot load dataset .*check data.train_path"):
+        load_split(str(tmp_path / "missing"), "train")

@@ -1,0 +1,34 @@
+"""The README's commands are what CI runs, and every path it names exists."""
+
+from __future__ import annotations
+
+import re
+
+from conftest import REPO
+
+README = (REPO / "README.md").read_text()
+
+
+def test_readme_starts_with_the_two_setup_commands():
+    first_block = README.split("```bash\n")[1].split("```")[0]
+    commands = [line.split("#")[0].strip() for line in first_block.splitlines()]
+    assert commands == ["make demo", "make test"]
+
+
+def test_ci_runs_the_readme_test_command():
+    lines = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if not line.startswith("#")]
+    assert "make test" in lines
+
+
+def test_make_targets_in_readme_exist():
+    makefile = (REPO / "Makefile").read_text()
+    for target in set(re.findall(r"`make ([a-z-]+)`", README)) | {"demo", "test"}:
+        assert re.search(rf"^{target}:", makefile, re.MULTILINE), target
+
+
+def test_every_path_named_in_the_docs_exists():
+    docs = README + "".join(p.read_text() for p in (REPO / "recipes").rglob("*.yaml"))
+    paths = set(re.findall(r"\b((?:recipes|accelerate_configs|finetune|tests|\.ci)/[\w./-]*\w)", docs))
+    assert paths, "no paths found"
+    missing = [p for p in sorted(paths) if not (REPO / p).exists()]
+    assert not missing

@@ -1,0 +1,92 @@
+"""User errors: exit status 2, one line naming the fix, no traceback, nothing written or lost."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import DEMO_RECIPE, REPO, launch, recipe_overrides
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m finetune ...` as one process, without a launcher."""
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+
+
+def assert_user_error(result: subprocess.CompletedProcess, fragment: str) -> None:
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("finetune: error: ")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert fragment in errors[0]
+    # Only the launcher may print a traceback (of its own); none comes from a finetune process.
+    assert "finetune/" not in result.stderr and "[rank0]: Traceback" not in result.stderr
+
+
+def test_recipe_typo_fails_fast_without_traceback():
+    result = run_cli("train", str(DEMO_RECIPE), "optim.lrr=1e-3", "train.max_step=3")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "unknown key optim.lrr; did you mean optim.lr?" in result.stderr
+    assert "unknown key train.max_step; did you mean train.max_steps?" in result.stderr
+
+
+def test_missing_column_keeps_the_output_dir_untouched(tmp_path, demo_assets):
+    data = tmp_path / "qa.jsonl"
+    data.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    output_dir = tmp_path / "out"
+    output_dir.mkdir()
+    (output_dir / "keep.txt").write_text("earlier results")
+    overrides = recipe_overrides(demo_assets, output_dir, **{"data.train_path": data, "output.overwrite": "true"})
+    result = run_cli("train", str(DEMO_RECIPE), *overrides)
+    assert result.returncode == 2
+    assert_user_error(result, "dataset has columns ['question', 'answer'], expected messages")
+    assert [p.name for p in output_dir.iterdir()] == ["keep.txt"]
+
+
+def test_non_empty_output_dir_is_refused(tmp_path, demo_assets):
+    output_dir = tmp_path / "out"
+    output_dir.mkdir()
+    (output_dir / "metrics.jsonl").write_text("{}\n")
+    overrides = recipe_overrides(demo_assets, output_dir, **{"output.overwrite": "false"})
+    result = run_cli("train", str(DEMO_RECIPE), *overrides)
+    assert result.returncode == 2
+    assert_user_error(result, "is not empty; choose another output.dir or pass output.overwrite=true")
+    assert (output_dir / "metrics.jsonl").read_text() == "{}\n"
+
+
+def test_diverging_run_stops_naming_the_step(tmp_path, demo_assets):
+    overrides = recipe_overrides(
+        demo_assets, tmp_path / "out", **{"optim.lr": "1e12", "optim.max_grad_norm": 0, "optim.warmup_steps": 0}
+    )
+    result = run_cli("train", str(DEMO_RECIPE), *overrides)
+    assert result.returncode == 2
+    assert_user_error(result, "training diverged before this update was applied")
+    assert "finetune: error: step " in result.stderr
+
+
+@pytest.mark.multiprocess
+def test_unknown_wrap_class_through_the_launcher(tmp_path, demo_assets):
+    output_dir = tmp_path / "out"
+    result = launch(
+        "fsdp2_full_shard.yaml",
+        recipe_overrides(demo_assets, output_dir),
+        launch_args=("--fsdp_transformer_layer_cls_to_wrap", "GPT2Block"),
+    )
+    assert_user_error(
+        result, "names GPT2Block, which LlamaForCausalLM does not contain; use one of: LlamaDecoderLayer"
+    )
+    assert not output_dir.exists()
+
+
+@pytest.mark.multiprocess
+def test_activation_checkpointing_in_both_places(tmp_path, demo_assets):
+    result = launch(
+        "fsdp2_full_shard.yaml",
+        recipe_overrides(demo_assets, tmp_path / "out", **{"train.activation_checkpointing": "true"}),
+        launch_args=("--fsdp_activation_checkpointing", "true"),
+    )
+    assert_user_error(result, "activation checkpointing is enabled both in the recipe")
