@@ -151,3 +151,16 @@ def test_unloadable_datasets_say_what_to_fix(tmp_path):
         load_split(str(tmp_path / "data.txt"), "train")
     with pytest.raises(FinetuneError, match="cannot load dataset .*check data.train_path"):
         load_split(str(tmp_path / "missing"), "train")
+
+
+def test_tokenization_is_cached_by_datasets(tmp_path, tokenizer):
+    path = tmp_path / "chat.jsonl"
+    datasets.Dataset.from_list(
+        [{"messages": chat(("user", f"reverse: {i} 1"), ("assistant", f"1 {i}"))} for i in range(10)]
+    ).to_json(str(path))
+    cfg = DataConfig(train_path=str(path), max_length=32)
+    first = tokenize(load_split(str(path), "train"), tokenizer, cfg)
+    second = tokenize(load_split(str(path), "train"), tokenizer, cfg)
+    assert first.cache_files and first.cache_files == second.cache_files
+    other = tokenize(load_split(str(path), "train"), tokenizer, DataConfig(train_path=str(path), max_length=16))
+    assert other.cache_files != first.cache_files  # settings are part of the cache key
