@@ -33,9 +33,11 @@ def main(argv: list[str] | None = None) -> int:
             from finetune.config import load_recipe
 
             recipe = load_recipe(args.recipe, args.overrides)  # before the slow imports: typos fail fast
+            from finetune.distributed import shutdown
             from finetune.loop import train
 
             train(recipe)
+            shutdown()  # only after train() returned, so its model and loaders are already freed
         else:
             from finetune import demo
 

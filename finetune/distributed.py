@@ -12,6 +12,7 @@ fails loudly if a later accelerate stops honouring it.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import os
 from typing import Any
@@ -129,6 +130,20 @@ def _check_cpu_fsdp(accelerator: Accelerator, plugin: FullyShardedDataParallelPl
             f"{accelerate.__version__}: distributed_type={accelerator.distributed_type}. Pin accelerate~=1.15.0 "
             "or update finetune/distributed.py"
         )
+
+
+def shutdown() -> None:
+    """Tear the process group down with every rank in step, after the last collective.
+
+    Call it once training has returned on every rank, so that the wrapped model and everything
+    else holding work on the group is already freed: destroying the group first and freeing DDP or
+    FSDP objects afterwards can leave a rank blocked in teardown while its peer has exited. Never
+    call it on an error path, where peers may never reach the barrier.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        gc.collect()
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def broadcast_module_states(accelerator: Accelerator, model: torch.nn.Module) -> None:

@@ -47,8 +47,10 @@ class MetricsLogger:
         self.bar.update(1)
 
     def close(self) -> None:
+        """End the progress bar and the trackers. The process group is left to `distributed.shutdown`."""
         self.bar.close()
-        self.accelerator.end_training()
+        for tracker in self.accelerator.trackers:
+            tracker.finish()
 
 
 def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

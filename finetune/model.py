@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -11,8 +13,19 @@ from finetune.errors import FinetuneError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_model_path(name_or_path: str) -> None:
+    """A path meant as a local folder must exist; otherwise transformers reports it as a bad hub id."""
+    looks_local = name_or_path.startswith(("/", "./", "../", "~")) or name_or_path.count("/") > 1
+    if looks_local and not Path(name_or_path).expanduser().is_dir():
+        raise FinetuneError(
+            f"model.name_or_path {name_or_path} is not a folder; point it at a saved model (config.json, "
+            "safetensors, tokenizer files) or a hub id such as meta-llama/Llama-3.2-1B"
+        )
+
+
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """The model's tokenizer, with a pad token (the EOS token when the tokenizer has none)."""
+    check_model_path(cfg.name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -53,7 +54,18 @@ def launch(
         *launch_args,
         "-m", "finetune", "train", str(DEMO_RECIPE), *overrides,
     ]  # fmt: skip
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    # Own session, so a run that outlives its timeout is killed with all its workers, not just the launcher.
+    process = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        message = f"{' '.join(command)} did not finish in 300 s:\n{stdout[-3000:]}\n{stderr[-6000:]}"
+        raise AssertionError(message) from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def _free_port() -> int:

@@ -90,3 +90,10 @@ def test_activation_checkpointing_in_both_places(tmp_path, demo_assets):
         launch_args=("--fsdp_activation_checkpointing", "true"),
     )
     assert_user_error(result, "activation checkpointing is enabled both in the recipe")
+
+
+def test_missing_model_folder_is_named(tmp_path, demo_assets):
+    overrides = recipe_overrides(demo_assets, tmp_path / "out", **{"model.name_or_path": tmp_path / "no_model"})
+    result = run_cli("train", str(DEMO_RECIPE), *overrides)
+    assert result.returncode == 2
+    assert_user_error(result, f"model.name_or_path {tmp_path / 'no_model'} is not a folder")
