@@ -8,7 +8,6 @@ per-micro-batch means would weight short and long batches differently.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
@@ -89,11 +88,11 @@ def train(recipe: RecipeConfig) -> Path:
     _log_setup(accelerator, recipe, data, model, max_steps)
     metrics = MetricsLogger(accelerator, output_dir, max_steps, recipe.to_dict(), recipe.output.trackers)
     try:
-        data_digest = run_steps(recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, metrics)
+        seen = run_steps(recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, metrics)
         if recipe.output.export:
             export_dtype = DTYPES[recipe.output.export_dtype or recipe.model.dtype]
             export_model(accelerator, model, tokenizer, output_dir / "final", export_dtype)
-        _write_rank_report(accelerator, model, output_dir, data_digest, max_steps)
+        _write_rank_report(accelerator, model, output_dir, seen, max_steps)
     finally:
         metrics.close()  # ends the progress bar, so that an error message starts on its own line
     return output_dir
@@ -109,14 +108,15 @@ def run_steps(
     eval_loader: DataLoader | None,
     metrics: MetricsLogger,
 ) -> str:
-    """Train for `metrics.max_steps` steps, logging and evaluating on schedule; return a digest of the data seen."""
-    data_digest = hashlib.sha256()
+    """Train `metrics.max_steps` steps, logging and evaluating on schedule; return a fingerprint of the data seen."""
+    # A fingerprint of the token ids this rank trained on, accumulated on the device without syncing.
+    data_fingerprint = torch.zeros((), dtype=torch.int64, device=accelerator.device)
     last_log_time, tokens_since_log = time.perf_counter(), 0
     batches = _accumulation_windows(train_loader, recipe.train.gradient_accumulation_steps)
     for step in range(1, metrics.max_steps + 1):
         micro_batches = next(batches)
-        for batch in micro_batches:
-            data_digest.update(batch["input_ids"].numpy().tobytes())
+        for i, batch in enumerate(micro_batches):
+            data_fingerprint += batch["input_ids"].long().sum() * (step * len(micro_batches) + i)
         lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
         result = train_step(model, optimizer, micro_batches, accelerator, recipe.optim.max_grad_norm, step)
         scheduler.step()
@@ -139,7 +139,7 @@ def run_steps(
         eval_due = recipe.train.eval_every_steps and step % recipe.train.eval_every_steps == 0
         if eval_loader is not None and (eval_due or last_step):
             metrics.log(step, {"eval_loss": evaluate(model, eval_loader, accelerator)})
-    return data_digest.hexdigest()
+    return f"{data_fingerprint.item():x}"
 
 
 def train_step(
@@ -151,13 +151,11 @@ def train_step(
     step: int,
 ) -> StepResult:
     """One optimizer step over this process's micro-batches; returns the global loss per target token."""
-    local_counts = torch.tensor(
-        [
-            sum(int((b["target_ids"] != IGNORE).sum()) for b in micro_batches),
-            sum(int(b["num_tokens"]) for b in micro_batches),
-        ]
+    counts = torch.stack(
+        [sum((b["target_ids"] != IGNORE).sum() for b in micro_batches), sum(b["num_tokens"] for b in micro_batches)]
     )
-    num_targets, num_tokens = accelerator.reduce(local_counts.to(accelerator.device), "sum").tolist()
+    # One all-reduce, one device sync: every process needs the global target count before its first backward.
+    num_targets, num_tokens = accelerator.reduce(counts, "sum").tolist()
     # DDP and FSDP average gradients over processes; multiplying by the process count turns that
     # average into a sum, so the update is the gradient of (all token losses) / (all target tokens).
     scale = accelerator.num_processes / max(num_targets, 1)
@@ -248,11 +246,13 @@ def _log_setup(accelerator: Accelerator, recipe: RecipeConfig, data: Data, model
 
 
 def _write_rank_report(
-    accelerator: Accelerator, model: torch.nn.Module, output_dir: Path, data_digest: str, max_steps: int
+    accelerator: Accelerator, model: torch.nn.Module, output_dir: Path, data_fingerprint: str, max_steps: int
 ) -> None:
     """Per-rank facts for debugging a distributed run: what this rank holds and what data it saw."""
     report = shard_report(accelerator, model)
-    report.update(steps=max_steps, data_fingerprint=data_digest, params_fingerprint=local_params_fingerprint(model))
+    report.update(
+        steps=max_steps, data_fingerprint=data_fingerprint, params_fingerprint=local_params_fingerprint(model)
+    )
     ranks_dir = output_dir / "ranks"
     ranks_dir.mkdir(parents=True, exist_ok=True)
     (ranks_dir / f"rank_{accelerator.process_index}.json").write_text(json.dumps(report, indent=2))
