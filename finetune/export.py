@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 
@@ -28,6 +29,26 @@ def gather_full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> 
     return get_model_state_dict(model, options=options)
 
 
+def _with_tied_aliases(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Make every name of a parameter shared by several modules (tied embeddings) refer to one tensor.
+
+    A gathered state dict holds a shared parameter under one of its names, or under each name as
+    separate copies. save_pretrained recognises ties by shared storage, and only then stores the
+    weight once under the name from_pretrained expects (the input embedding) instead of lm_head.
+    """
+    names_by_param: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        clean = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+        names_by_param.setdefault(id(param), []).append(clean)
+    complete = dict(state_dict)
+    for names in names_by_param.values():
+        present = next((name for name in names if name in state_dict), None)
+        if present is not None and len(names) > 1:
+            for name in names:
+                complete[name] = state_dict[present]
+    return complete
+
+
 def export_model(
     accelerator: Accelerator,
     model: torch.nn.Module,
@@ -46,10 +67,14 @@ def export_model(
         partial = out_dir.with_name(out_dir.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         unwrapped = accelerator.unwrap_model(model)
-        state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
-        unwrapped.config.dtype = dtype  # config.json states the dtype of the weights beside it
+        # Convert first: converting after aliasing would turn the shared tensor back into separate copies.
+        state_dict = _with_tied_aliases(unwrapped, {name: tensor.to(dtype) for name, tensor in state_dict.items()})
         # save_pretrained drops tied duplicates (lm_head of a tied model) the way from_pretrained expects.
         unwrapped.save_pretrained(partial, state_dict=state_dict, max_shard_size=max_shard_size)
+        # save_pretrained records the live model's dtype; config.json must state the dtype of these weights.
+        config = copy.deepcopy(unwrapped.config)
+        config.dtype = dtype
+        config.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         previous = out_dir.with_name(out_dir.name + ".previous")
         if out_dir.exists():
