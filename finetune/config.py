@@ -145,12 +145,26 @@ class OutputConfig:
 
 
 @dataclass(kw_only=True)
+class CheckpointConfig:
+    save_every_steps: int = 0
+    """Save a checkpoint every this many optimizer steps and at the last step (0 = no checkpoints)."""
+
+    keep_last: int = 2
+    """Complete checkpoints to keep; older ones are deleted after each successful save."""
+
+    resume: str | None = None
+    """`auto`: continue from the latest complete checkpoint in output.dir (or start fresh if there is
+    none); or the path of a `step_<N>` checkpoint folder."""
+
+
+@dataclass(kw_only=True)
 class RecipeConfig:
     model: ModelConfig
     data: DataConfig
     optim: OptimConfig
     train: TrainConfig
     output: OutputConfig
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def cross_field_errors(self) -> list[str]:
         """Problems that involve more than one field, each with its fix."""
@@ -179,6 +193,10 @@ class RecipeConfig:
             errors.append(f"optim.max_grad_norm must be >= 0 (0 disables clipping), got {optim.max_grad_norm}")
         if not 0.0 <= optim.min_lr_ratio <= 1.0:
             errors.append(f"optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio}")
+        if self.checkpoint.save_every_steps < 0:
+            errors.append(f"checkpoint.save_every_steps must be >= 0, got {self.checkpoint.save_every_steps}")
+        if self.checkpoint.keep_last < 1:
+            errors.append(f"checkpoint.keep_last must be >= 1, got {self.checkpoint.keep_last}")
         if optim.warmup_steps < 0:
             errors.append(f"optim.warmup_steps must be >= 0, got {optim.warmup_steps}")
         return errors
@@ -197,7 +215,9 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RecipeC
     except yaml.YAMLError as exc:
         raise ConfigError(f"recipe {path} is not valid YAML: {' '.join(str(exc).split())}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"recipe {path} must be a mapping of sections (model, data, optim, train, output)")
+        raise ConfigError(
+            f"recipe {path} must be a mapping of sections (model, data, optim, train, output, checkpoint)"
+        )
     errors: list[str] = []
     for override in overrides or []:
         _apply_override(raw, override, errors)

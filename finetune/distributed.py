@@ -15,6 +15,7 @@ import dataclasses
 import gc
 import hashlib
 import os
+import signal
 from typing import Any
 
 import accelerate
@@ -47,6 +48,8 @@ def build_accelerator(*, trackers: list[str], project_dir: str, recipe_activatio
     _check_launch_environment(recipe_activation_checkpointing)
     on_cpu = not has_accelerator()
     plugin = _fsdp_plugin(on_cpu) if fsdp_requested() else None
+    if on_cpu and plugin is not None and "LOCAL_RANK" not in os.environ:
+        _single_process_group_env()
     accelerator = Accelerator(
         cpu=on_cpu,
         fsdp_plugin=plugin,
@@ -56,12 +59,7 @@ def build_accelerator(*, trackers: list[str], project_dir: str, recipe_activatio
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
     if on_cpu and plugin is not None:
-        if accelerator.num_processes > 1:
-            _enable_fsdp_on_cpu(accelerator, plugin)
-        else:
-            # One CPU process has nothing to shard and trains unsharded; the plugin stays attached
-            # so that the wrap policy is still checked against the model.
-            accelerator.state.fsdp_plugin = plugin
+        _enable_fsdp_on_cpu(accelerator, plugin)
     if accelerator.num_processes != launched_world_size():
         raise FinetuneError(
             f"the launcher started {launched_world_size()} processes but this one joined a group of "
@@ -69,6 +67,21 @@ def build_accelerator(*, trackers: list[str], project_dir: str, recipe_activatio
             "`accelerate launch --config_file accelerate_configs/<config>.yaml -m finetune train <recipe>`"
         )
     return accelerator
+
+
+def _single_process_group_env() -> None:
+    """Let one CPU process launched with an FSDP config form a 1-rank gloo group.
+
+    accelerate launches a single process without torchrun, so there is no process group and it
+    would train unsharded, unable to read (or write) the FSDP checkpoints of a multi-process run.
+    On GPUs one process with an FSDP config is FSDP over one rank; this makes CPU behave the same.
+    """
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def _check_launch_environment(recipe_activation_checkpointing: bool) -> None:
@@ -130,6 +143,45 @@ def _check_cpu_fsdp(accelerator: Accelerator, plugin: FullyShardedDataParallelPl
             f"{accelerate.__version__}: distributed_type={accelerator.distributed_type}. Pin accelerate~=1.15.0 "
             "or update finetune/distributed.py"
         )
+
+
+class PreemptionSignals:
+    """Turns SIGTERM and SIGINT into a request to checkpoint and stop at the next step boundary.
+
+    Schedulers (SLURM, Kubernetes) send SIGTERM before killing a job, often more than once (torchrun
+    forwards its own SIGTERM to the workers too), so repeats are absorbed while the checkpoint is
+    written. A second Ctrl-C (SIGINT) falls through to its previous handler and interrupts at once.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.received = False
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> PreemptionSignals:
+        if self.enabled:
+            for signum in self.SIGNALS:
+                self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received and signum == signal.SIGINT:
+            signal.signal(signum, self.previous[signum])
+            signal.raise_signal(signum)
+        self.received = True
+
+    def requested(self, accelerator: Accelerator) -> bool:
+        """True on every rank if any rank received a signal: all ranks must stop at the same step."""
+        if not self.enabled:
+            return False
+        flag = torch.tensor(float(self.received), device=accelerator.device)
+        return accelerator.reduce(flag, "sum").item() > 0
 
 
 def shutdown() -> None:

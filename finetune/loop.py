@@ -25,9 +25,17 @@ from accelerate.utils import DistributedType, set_seed
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
+from finetune.checkpoint import (
+    TrainerState,
+    checkpoints_root,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
 from finetune.config import RecipeConfig, save_recipe
 from finetune.data import IGNORE, Data, build_data
 from finetune.distributed import (
+    PreemptionSignals,
     broadcast_module_states,
     build_accelerator,
     local_params_fingerprint,
@@ -55,10 +63,26 @@ class StepResult:
     num_target_tokens: int
 
 
+@dataclass
+class Run:
+    """What training works with once everything is built and prepared."""
+
+    recipe: RecipeConfig
+    accelerator: Accelerator
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_loader: DataLoader
+    eval_loader: DataLoader | None
+    max_steps: int
+    output_dir: Path
+
+
 def train(recipe: RecipeConfig) -> Path:
     """Run the recipe under the accelerate config this process was launched with; return the output dir."""
     output_dir = Path(recipe.output.dir)
-    _check_output_dir(output_dir, recipe.output.overwrite)
+    resume_from = resolve_resume(recipe.checkpoint.resume, output_dir)
+    _check_output_dir(output_dir, recipe.output.overwrite or recipe.checkpoint.resume is not None)
     accelerator = build_accelerator(
         trackers=recipe.output.trackers,
         project_dir=str(output_dir),
@@ -80,15 +104,23 @@ def train(recipe: RecipeConfig) -> Path:
     eval_loader = accelerator.prepare(data.eval_loader) if data.eval_loader is not None else None
     max_steps = _max_steps(recipe, train_loader)
     scheduler = build_scheduler(optimizer.optimizer, recipe.optim, max_steps)
-    # Everything is validated and built: only now is the output dir written to.
-    _claim_output_dir(output_dir, accelerator)
+    accelerator.register_for_checkpointing(scheduler)
+    run = Run(recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, max_steps, output_dir)
+    start = TrainerState(0, 0, 0, accelerator.num_processes, recipe.model.name_or_path)
+    if resume_from is not None:
+        start = load_checkpoint(accelerator, resume_from, recipe)
+    # Everything is validated, built and restored: only now is the output dir written to.
+    _claim_output_dir(output_dir, accelerator, resumed_step=start.step if resume_from else None)
     if accelerator.is_main_process:
         save_recipe(recipe, output_dir / "recipe.yaml")
 
-    _log_setup(accelerator, recipe, data, model, max_steps)
+    _log_setup(accelerator, recipe, data, model, max_steps, resume_from)
     metrics = MetricsLogger(accelerator, output_dir, max_steps, recipe.to_dict(), recipe.output.trackers)
     try:
-        seen = run_steps(recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, metrics)
+        seen, preempted = run_steps(run, metrics, start)
+        if preempted:
+            accelerator.print(f"preempted: checkpoint saved at step {preempted}; resume with checkpoint.resume=auto")
+            return output_dir
         if recipe.output.export:
             export_dtype = DTYPES[recipe.output.export_dtype or recipe.model.dtype]
             export_model(accelerator, model, tokenizer, output_dir / "final", export_dtype)
@@ -98,48 +130,57 @@ def train(recipe: RecipeConfig) -> Path:
     return output_dir
 
 
-def run_steps(
-    recipe: RecipeConfig,
-    accelerator: Accelerator,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    train_loader: DataLoader,
-    eval_loader: DataLoader | None,
-    metrics: MetricsLogger,
-) -> str:
-    """Train `metrics.max_steps` steps, logging and evaluating on schedule; return a fingerprint of the data seen."""
+def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[str, int]:
+    """Train from `start` to `run.max_steps`, logging, evaluating and checkpointing on schedule.
+
+    Returns a fingerprint of the data this rank saw, and the step at which a preemption signal
+    stopped training after saving a checkpoint (0 when training ran to the end).
+    """
+    recipe, accelerator = run.recipe, run.accelerator
+    accumulation = recipe.train.gradient_accumulation_steps
+    save_every = recipe.checkpoint.save_every_steps
+    rows_per_micro_batch = recipe.train.micro_batch_size * accelerator.num_processes
     # A fingerprint of the token ids this rank trained on, accumulated on the device without syncing.
     data_fingerprint = torch.zeros((), dtype=torch.int64, device=accelerator.device)
     last_log_time, tokens_since_log = time.perf_counter(), 0
-    batches = _accumulation_windows(train_loader, recipe.train.gradient_accumulation_steps)
-    for step in range(1, metrics.max_steps + 1):
-        micro_batches = next(batches)
-        for i, batch in enumerate(micro_batches):
-            data_fingerprint += batch["input_ids"].long().sum() * (step * len(micro_batches) + i)
-        lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
-        result = train_step(model, optimizer, micro_batches, accelerator, recipe.optim.max_grad_norm, step)
-        scheduler.step()
-        tokens_since_log += result.num_tokens
-        metrics.advance()
-        last_step = step == metrics.max_steps
-        if step % recipe.train.log_every_steps == 0 or last_step:
-            elapsed = time.perf_counter() - last_log_time
-            metrics.log(
-                step,
-                {
-                    "loss": result.loss,
-                    "lr": lr,
-                    "grad_norm": result.grad_norm,
-                    "tokens_per_second": tokens_since_log / max(elapsed, 1e-9),
-                    "target_tokens": result.num_target_tokens,
-                },
-            )
-            last_log_time, tokens_since_log = time.perf_counter(), 0
-        eval_due = recipe.train.eval_every_steps and step % recipe.train.eval_every_steps == 0
-        if eval_loader is not None and (eval_due or last_step):
-            metrics.log(step, {"eval_loss": evaluate(model, eval_loader, accelerator)})
-    return f"{data_fingerprint.item():x}"
+    windows = _accumulation_windows(run.train_loader, accumulation, start, rows_per_micro_batch, accelerator)
+    metrics.advance(start.step)
+    with PreemptionSignals(enabled=save_every > 0) as preemption:
+        for step in range(start.step + 1, run.max_steps + 1):
+            epoch, rows_into_epoch, micro_batches = next(windows)
+            for i, batch in enumerate(micro_batches):
+                data_fingerprint += batch["input_ids"].long().sum() * (step * accumulation + i)
+            lr = run.scheduler.get_last_lr()[0]  # the rate this step's update uses
+            result = train_step(run.model, run.optimizer, micro_batches, accelerator, recipe.optim.max_grad_norm, step)
+            run.scheduler.step()
+            tokens_since_log += result.num_tokens
+            metrics.advance()
+            last_step = step == run.max_steps
+            if step % recipe.train.log_every_steps == 0 or last_step:
+                elapsed = time.perf_counter() - last_log_time
+                metrics.log(
+                    step,
+                    {
+                        "loss": result.loss,
+                        "lr": lr,
+                        "grad_norm": result.grad_norm,
+                        "tokens_per_second": tokens_since_log / max(elapsed, 1e-9),
+                        "target_tokens": result.num_target_tokens,
+                    },
+                )
+                last_log_time, tokens_since_log = time.perf_counter(), 0
+            eval_due = recipe.train.eval_every_steps and step % recipe.train.eval_every_steps == 0
+            if run.eval_loader is not None and (eval_due or last_step):
+                metrics.log(step, {"eval_loss": evaluate(run.model, run.eval_loader, accelerator)})
+            stop = preemption.requested(accelerator)
+            if save_every and (step % save_every == 0 or last_step or stop):
+                state = TrainerState(
+                    step, epoch, rows_into_epoch, accelerator.num_processes, recipe.model.name_or_path
+                )
+                save_checkpoint(accelerator, run.output_dir, state, recipe, recipe.checkpoint.keep_last)
+            if stop and not last_step:
+                return f"{data_fingerprint.item():x}", step
+    return f"{data_fingerprint.item():x}", 0
 
 
 def train_step(
@@ -181,13 +222,28 @@ def train_step(
     return StepResult(loss, grad_norm, int(num_tokens), int(num_targets))
 
 
-def _accumulation_windows(loader: DataLoader, accumulation_steps: int) -> Iterator[list[Batch]]:
-    """Groups of micro-batches, one group per optimizer step, epoch after epoch (reshuffled by epoch)."""
-    for epoch in itertools.count():
+def _accumulation_windows(
+    loader: DataLoader, accumulation: int, start: TrainerState, rows_per_micro_batch: int, accelerator: Accelerator
+) -> Iterator[tuple[int, int, list[Batch]]]:
+    """(epoch, rows of the epoch consumed after this window, micro-batches) for each optimizer step.
+
+    Every epoch is one seeded permutation of the rows, the same on any process count; a resumed
+    run skips exactly the rows its checkpoint had consumed in that epoch.
+    """
+    if start.rows_into_epoch % rows_per_micro_batch:
+        raise FinetuneError(
+            f"the checkpoint stopped {start.rows_into_epoch} rows into epoch {start.epoch}, not a whole number of "
+            f"micro-batches of micro_batch_size x processes = {rows_per_micro_batch} rows; resume with a "
+            "micro_batch_size and process count whose product divides it"
+        )
+    for epoch in itertools.count(start.epoch):
         loader.set_epoch(epoch)
-        batches = iter(loader)
-        while len(window := list(itertools.islice(batches, accumulation_steps))) == accumulation_steps:
-            yield window
+        skipped = start.rows_into_epoch // rows_per_micro_batch if epoch == start.epoch else 0
+        batches = iter(accelerator.skip_first_batches(loader, skipped) if skipped else loader)
+        consumed = skipped
+        while len(window := list(itertools.islice(batches, accumulation))) == accumulation:
+            consumed += accumulation
+            yield epoch, consumed * rows_per_micro_batch, window
 
 
 def _max_steps(recipe: RecipeConfig, train_loader: DataLoader) -> int:
@@ -211,17 +267,31 @@ def _check_output_dir(output_dir: Path, overwrite: bool) -> None:
         )
 
 
-def _claim_output_dir(output_dir: Path, accelerator: Accelerator) -> None:
-    """Create the output dir and clear what an earlier run left that this one would mix with its own."""
+def _claim_output_dir(output_dir: Path, accelerator: Accelerator, resumed_step: int | None) -> None:
+    """Create the output dir. A fresh run clears an earlier run's results; a resumed run keeps its
+    metrics up to the checkpoint's step, since the steps after it are trained again."""
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+        metrics_file = output_dir / "metrics.jsonl"
+        if resumed_step is None:
+            metrics_file.unlink(missing_ok=True)
+            shutil.rmtree(checkpoints_root(output_dir), ignore_errors=True)
+        elif metrics_file.exists():
+            kept = [line for line in metrics_file.read_text().splitlines() if json.loads(line)["step"] <= resumed_step]
+            metrics_file.write_text("".join(line + "\n" for line in kept))
         shutil.rmtree(output_dir / "ranks", ignore_errors=True)
     accelerator.wait_for_everyone()
 
 
-def _log_setup(accelerator: Accelerator, recipe: RecipeConfig, data: Data, model: torch.nn.Module, max_steps: int):
+def _log_setup(
+    accelerator: Accelerator,
+    recipe: RecipeConfig,
+    data: Data,
+    model: torch.nn.Module,
+    max_steps: int,
+    resume_from: Path | None,
+) -> None:
     if not accelerator.is_main_process:
         return
     processes = accelerator.num_processes
@@ -239,8 +309,8 @@ def _log_setup(accelerator: Accelerator, recipe: RecipeConfig, data: Data, model
         lines.append(data.eval_stats.describe("eval data"))
     if accelerator.distributed_type == DistributedType.FSDP:
         lines.append(format_wrap_plan(fsdp_units(model)))
-    elif getattr(accelerator.state, "fsdp_plugin", None) is not None:
-        lines.append("the accelerate config asks for FSDP, but one process has nothing to shard: training unsharded")
+    if resume_from is not None:
+        lines.append(f"resumed from {resume_from}")
     for line in lines:
         accelerator.print(line)
 

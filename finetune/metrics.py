@@ -43,8 +43,8 @@ class MetricsLogger:
                 loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", tok_s=f"{metrics['tokens_per_second']:.0f}"
             )
 
-    def advance(self) -> None:
-        self.bar.update(1)
+    def advance(self, steps: int = 1) -> None:
+        self.bar.update(steps)
 
     def close(self) -> None:
         """End the progress bar and the trackers. The process group is left to `distributed.shutdown`."""

@@ -65,7 +65,7 @@ def test_all_errors_reported_at_once(tmp_path):
     message = str(info.value)
     assert message.startswith("4 problems in")
     for fragment in (
-        "unknown key bogus; valid keys: model, data, optim, train, output",
+        "unknown key bogus; valid keys: model, data, optim, train, output, checkpoint",
         "optim.schedule must be one of cosine, linear, constant; got 'cosin'",
         "train.micro_batch_size must be int, got 'two'",
         "model.name_or_path must be str, got None",

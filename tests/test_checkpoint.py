@@ -1,0 +1,133 @@
+"""Checkpoints: atomic and pruned, exact resume on the same and on another process count, preemption."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import CONFIGS, DEMO_RECIPE, REPO, Run, launch, recipe_overrides
+from safetensors.torch import load_file
+
+from finetune.checkpoint import MARKER, TrainerState, load_checkpoint, resolve_resume
+from finetune.config import load_recipe
+from finetune.errors import FinetuneError
+
+pytestmark = pytest.mark.multiprocess
+
+SETTINGS = {
+    "train.max_steps": 8,
+    "train.eval_every_steps": 0,
+    "data.eval_path": "null",
+    "checkpoint.save_every_steps": 2,
+    "checkpoint.keep_last": 2,
+}
+
+
+def run_with(assets, output_dir, processes=2, **extra) -> Run:
+    result = launch(
+        "fsdp2_full_shard.yaml", recipe_overrides(assets, output_dir, **SETTINGS, **extra), num_processes=processes
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return Run(result, output_dir)
+
+
+def losses_by_step(run: Run) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in run.metrics() if "loss" in m}
+
+
+def max_weight_difference(a: Run, b: Run) -> float:
+    wa, wb = (load_file(r.output_dir / "final" / "model.safetensors") for r in (a, b))
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, demo_assets) -> Run:
+    return run_with(demo_assets, tmp_path_factory.mktemp("full") / "out")
+
+
+def resume_from_step_6(uninterrupted: Run, tmp_path) -> tuple:
+    """A new output dir holding only the step 6 checkpoint, plus an incomplete step 7 (a save that died)."""
+    output_dir = tmp_path / "out"
+    shutil.copytree(uninterrupted.output_dir / "checkpoints" / "step_6", output_dir / "checkpoints" / "step_6")
+    (output_dir / "checkpoints" / "step_7").mkdir()
+    return output_dir
+
+
+def test_checkpoints_are_complete_and_pruned(uninterrupted):
+    root = uninterrupted.output_dir / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_6", "step_8"]  # keep_last=2
+    for checkpoint in root.iterdir():
+        assert (checkpoint / MARKER).exists()
+        assert (checkpoint / "pytorch_model_fsdp_0").is_dir()  # SHARDED: torch.distributed.checkpoint shards
+        assert list((checkpoint / "pytorch_model_fsdp_0").glob("*.distcp"))
+    state = json.loads((root / "step_6" / "trainer_state.json").read_text())
+    assert state == {**state, "step": 6, "epoch": 0, "rows_into_epoch": 96, "num_processes": 2}
+
+
+def test_exact_resume_skips_incomplete_checkpoints(uninterrupted, demo_assets, tmp_path):
+    resumed = run_with(demo_assets, resume_from_step_6(uninterrupted, tmp_path), **{"checkpoint.resume": "auto"})
+    assert "ignoring incomplete checkpoint" in resumed.log and "step_7" in resumed.log
+    assert "resumed from" in resumed.log and "step_6" in resumed.log
+    full, again = losses_by_step(uninterrupted), losses_by_step(resumed)
+    assert sorted(again) == [7, 8]
+    for step in (7, 8):
+        assert again[step] == pytest.approx(full[step], abs=1e-6)
+    assert max_weight_difference(uninterrupted, resumed) <= 1e-6
+
+
+def test_resume_on_one_process(uninterrupted, demo_assets, tmp_path):
+    """Saved by 2 processes, resumed by 1 with the same global batch: no sample skipped or repeated."""
+    output_dir = resume_from_step_6(uninterrupted, tmp_path)
+    resumed = run_with(
+        demo_assets, output_dir, processes=1, **{"checkpoint.resume": "auto", "train.micro_batch_size": 16}
+    )
+    full, again = losses_by_step(uninterrupted), losses_by_step(resumed)
+    for step in (7, 8):
+        assert again[step] == pytest.approx(full[step], abs=1e-5)
+    assert max_weight_difference(uninterrupted, resumed) <= 1e-5
+
+
+def test_sigterm_saves_at_the_next_step_and_exits_cleanly(demo_assets, tmp_path):
+    output_dir = tmp_path / "out"
+    overrides = recipe_overrides(
+        demo_assets, output_dir, **{**SETTINGS, "train.max_steps": 2000, "checkpoint.save_every_steps": 1000}
+    )
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "fsdp2_full_shard.yaml"),
+        "--num_processes", "2", "--mixed_precision", "no", "-m", "finetune", "train", str(DEMO_RECIPE), *overrides,
+    ]  # fmt: skip
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = output_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    # Like a scheduler signalling the job's tasks: every training process gets SIGTERM, twice.
+    workers = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2
+    for _ in range(2):
+        for pid in workers:
+            subprocess.run(["kill", "-TERM", pid])
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output[-3000:]
+    assert "preempted: checkpoint saved at step" in output
+    (checkpoint,) = (output_dir / "checkpoints").iterdir()
+    state = TrainerState(**json.loads((checkpoint / "trainer_state.json").read_text()))
+    assert 3 <= state.step < 2000 and (checkpoint / MARKER).exists()
+    assert resolve_resume("auto", output_dir) == checkpoint
+    assert not (output_dir / "final").exists()
+
+
+def test_resume_errors_name_the_fix(tmp_path, uninterrupted):
+    with pytest.raises(FinetuneError, match="does not exist; pass checkpoint.resume=auto"):
+        resolve_resume(str(tmp_path / "nope"), tmp_path)
+    (tmp_path / "step_3").mkdir()
+    with pytest.raises(FinetuneError, match=r"is incomplete \(no COMPLETE marker\)"):
+        resolve_resume(str(tmp_path / "step_3"), tmp_path)
+    assert resolve_resume("auto", tmp_path / "empty") is None  # nothing to resume: start fresh
+    other_model = load_recipe(DEMO_RECIPE, ["model.name_or_path=another/model"])
+    with pytest.raises(FinetuneError, match="was trained from .* but the recipe names 'another/model'"):
+        load_checkpoint(None, uninterrupted.output_dir / "checkpoints" / "step_6", other_model)
