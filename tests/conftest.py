@@ -136,3 +136,22 @@ def fsdp1_run(tmp_path_factory, demo_assets) -> Run:
 def ddp_run(tmp_path_factory, demo_assets) -> Run:
     """DDP with gradient accumulation (no_sync on all but the last micro-batch)."""
     return _run(tmp_path_factory, demo_assets, "ddp", "ddp.yaml", **{"train.gradient_accumulation_steps": 2})
+
+
+def per_sample_eval_loss(model, tokenizer, eval_path: Path) -> float:
+    """Loss per target token over an eval file, each sample scored on its own (no packing, no padding)."""
+    import torch
+
+    from finetune.config import DataConfig
+    from finetune.data import IGNORE, collate_padded, load_split, prepare_split
+    from finetune.evaluate import token_losses
+
+    cfg = DataConfig(train_path=str(eval_path), max_length=128, packing=False)
+    samples, _ = prepare_split(load_split(cfg.train_path, "train"), tokenizer, cfg, seed=0)
+    loss_sum, num_targets = 0.0, 0
+    with torch.no_grad():
+        for sample in samples:
+            batch = collate_padded([sample], tokenizer.pad_token_id)
+            loss_sum += token_losses(model, batch).sum().item()
+            num_targets += int((batch["target_ids"] != IGNORE).sum())
+    return loss_sum / num_targets

@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from conftest import Run
+from conftest import Run, per_sample_eval_loss
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from finetune.config import DataConfig
-from finetune.data import IGNORE, collate_padded, load_split, prepare_split
-from finetune.evaluate import token_losses
 
 pytestmark = pytest.mark.multiprocess
 
@@ -113,13 +109,7 @@ def test_export_reloads_and_reproduces_eval_loss(run_name, request, demo_assets)
     model = AutoModelForCausalLM.from_pretrained(final).eval()
     tokenizer = AutoTokenizer.from_pretrained(final)
     assert model.dtype == torch.float32
-    cfg = DataConfig(train_path=str(demo_assets / "data" / "eval.jsonl"), max_length=128, packing=False)
-    samples, _ = prepare_split(load_split(cfg.train_path, "train"), tokenizer, cfg, seed=0)
-    loss_sum, num_targets = 0.0, 0
-    with torch.no_grad():
-        for sample in samples:
-            batch = collate_padded([sample], tokenizer.pad_token_id)
-            loss_sum += token_losses(model, batch).sum().item()
-            num_targets += int((batch["target_ids"] != IGNORE).sum())
     measured = [m["eval_loss"] for m in run.metrics() if "eval_loss" in m][-1]
-    assert loss_sum / num_targets == pytest.approx(measured, rel=1e-4)
+    assert per_sample_eval_loss(model, tokenizer, demo_assets / "data" / "eval.jsonl") == pytest.approx(
+        measured, rel=1e-4
+    )

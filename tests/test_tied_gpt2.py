@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Run, launch, recipe_overrides
+from conftest import Run, launch, per_sample_eval_loss, recipe_overrides
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
-
-from finetune.config import DataConfig
-from finetune.data import IGNORE, collate_padded, load_split, prepare_split
-from finetune.evaluate import token_losses
 
 pytestmark = pytest.mark.multiprocess
 
@@ -55,16 +51,10 @@ def test_export_keeps_embeddings_tied(gpt2_run, demo_assets):
     model = AutoModelForCausalLM.from_pretrained(final).eval()
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
     tokenizer = AutoTokenizer.from_pretrained(final)
-    cfg = DataConfig(train_path=str(demo_assets / "data" / "eval.jsonl"), max_length=128, packing=False)
-    samples, _ = prepare_split(load_split(cfg.train_path, "train"), tokenizer, cfg, seed=0)
-    loss_sum, num_targets = 0.0, 0
-    with torch.no_grad():
-        for sample in samples:
-            batch = collate_padded([sample], tokenizer.pad_token_id)
-            loss_sum += token_losses(model, batch).sum().item()
-            num_targets += int((batch["target_ids"] != IGNORE).sum())
     measured = [m["eval_loss"] for m in gpt2_run.metrics() if "eval_loss" in m][-1]
-    assert loss_sum / num_targets == pytest.approx(measured, rel=1e-4)
+    assert per_sample_eval_loss(model, tokenizer, demo_assets / "data" / "eval.jsonl") == pytest.approx(
+        measured, rel=1e-4
+    )
 
 
 def test_bf16_export_of_a_tied_model_stays_tied(tmp_path, demo_assets):
