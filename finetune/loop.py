@@ -82,7 +82,8 @@ def train(recipe: RecipeConfig) -> Path:
     """Run the recipe under the accelerate config this process was launched with; return the output dir."""
     output_dir = Path(recipe.output.dir)
     resume_from = resolve_resume(recipe.checkpoint.resume, output_dir)
-    _check_output_dir(output_dir, recipe.output.overwrite or recipe.checkpoint.resume is not None)
+    # Resuming a checkpoint found in output.dir continues that run; anything else needs output.overwrite.
+    _check_output_dir(output_dir, recipe.output.overwrite or resume_from is not None)
     accelerator = build_accelerator(
         trackers=recipe.output.trackers,
         project_dir=str(output_dir),

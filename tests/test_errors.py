@@ -97,3 +97,15 @@ def test_missing_model_folder_is_named(tmp_path, demo_assets):
     result = run_cli("train", str(DEMO_RECIPE), *overrides)
     assert result.returncode == 2
     assert_user_error(result, f"model.name_or_path {tmp_path / 'no_model'} is not a folder")
+
+
+def test_resume_auto_without_a_checkpoint_keeps_earlier_results(tmp_path, demo_assets):
+    """resume=auto that finds nothing to resume is a fresh start, and needs output.overwrite like one."""
+    output_dir = tmp_path / "out"
+    output_dir.mkdir()
+    (output_dir / "metrics.jsonl").write_text("{}\n")
+    overrides = recipe_overrides(demo_assets, output_dir, **{"output.overwrite": "false", "checkpoint.resume": "auto"})
+    result = run_cli("train", str(DEMO_RECIPE), *overrides)
+    assert result.returncode == 2
+    assert_user_error(result, "is not empty; choose another output.dir or pass output.overwrite=true")
+    assert (output_dir / "metrics.jsonl").read_text() == "{}\n"
