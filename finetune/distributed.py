@@ -16,6 +16,7 @@ import gc
 import hashlib
 import os
 import signal
+import socket
 from typing import Any
 
 import accelerate
@@ -76,12 +77,14 @@ def _single_process_group_env() -> None:
     would train unsharded, unable to read (or write) the FSDP checkpoints of a multi-process run.
     On GPUs one process with an FSDP config is FSDP over one rank; this makes CPU behave the same.
     """
-    import socket
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
+
+def free_port() -> int:
+    """A TCP port on the loopback address that nothing listens on right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        return sock.getsockname()[1]
 
 
 def _check_launch_environment(recipe_activation_checkpointing: bool) -> None:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from finetune.distributed import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO_RECIPE = REPO / "recipes" / "demo" / "tiny_llama.yaml"
 CONFIGS = REPO / "accelerate_configs"
@@ -50,7 +52,7 @@ def launch(
         "--config_file", str(CONFIGS / config),
         "--num_processes", str(num_processes),
         "--mixed_precision", "no",
-        "--main_process_port", str(_free_port()),
+        "--main_process_port", str(free_port()),
         *launch_args,
         "-m", "finetune", "train", str(DEMO_RECIPE), *overrides,
     ]  # fmt: skip
@@ -66,14 +68,6 @@ def launch(
         message = f"{' '.join(command)} did not finish in 300 s:\n{stdout[-3000:]}\n{stderr[-6000:]}"
         raise AssertionError(message) from None
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
