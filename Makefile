@@ -15,7 +15,7 @@ NUM_PROCESSES ?= 2
 # The demo is offline by construction; this makes any accidental hub access fail fast.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-.PHONY: help setup demo train-tiny test lint format clean
+.PHONY: help setup demo train-tiny export test lint format clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -42,6 +42,11 @@ demo: $(STAMP) ## offline demo: build a tiny Llama and data, fine-tune with FSDP
 train-tiny: $(STAMP) ## train the demo recipe (after `finetune demo build`)
 	$(OFFLINE) $(ACCELERATE) launch --config_file $(CONFIG) --num_processes $(NUM_PROCESSES) --mixed_precision no \
 		-m finetune train $(DEMO_RECIPE)
+
+# make export CKPT=outputs/demo/run/checkpoints/step_300 OUT=exported [DTYPE=bf16] [MAX_SHARD_SIZE=5GB]
+export: $(STAMP) ## write checkpoint CKPT as a Hugging Face folder OUT (one process, no launcher)
+	@test -n "$(CKPT)" -a -n "$(OUT)" || { echo "make export needs CKPT=<checkpoint or output dir> OUT=<folder>"; exit 2; }
+	$(PY) -m finetune export $(CKPT) $(OUT) $(if $(DTYPE),--dtype $(DTYPE)) --max-shard-size $(or $(MAX_SHARD_SIZE),5GB)
 
 test: lint ## lint, then the test suite (CPU only; multi-process tests use 2 processes over gloo)
 	$(OFFLINE) $(PY) -m pytest

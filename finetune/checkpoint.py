@@ -3,7 +3,8 @@
 A checkpoint is `<output.dir>/checkpoints/step_<N>/`: what `accelerator.save_state` writes (model
 and optimizer as torch.distributed.checkpoint shards or full state dicts, as the accelerate config's
 state-dict type says; scheduler; RNG states), plus `trainer_state.json` (step and data position)
-and the resolved recipe. It is written as `step_<N>.partial/` and renamed when complete, with the
+the resolved recipe, and `hf/` (config, generation config and tokenizer files, so that `finetune
+export` needs nothing but the checkpoint). It is written as `step_<N>.partial/` and renamed when complete, with the
 marker file written last, so a save that dies halfway never looks complete and never replaces the
 previous checkpoint.
 """
@@ -14,8 +15,10 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from accelerate import Accelerator
 
@@ -26,6 +29,7 @@ logger = logging.getLogger("finetune")
 
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
+MODEL_FILES = "hf"
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,8 @@ class TrainerState:
     """Rows of the epoch's global (process-count independent) order already trained on."""
     num_processes: int
     model_name_or_path: str
+    scheduler: dict[str, Any] = field(default_factory=dict)
+    """The LR scheduler's state_dict, kept as JSON: accelerate would pickle it and unpickle it unsafely."""
 
 
 def checkpoints_root(output_dir: Path) -> Path:
@@ -71,10 +77,35 @@ def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
     return path
 
 
+def find_checkpoint(path: Path) -> Path:
+    """`path` if it is a complete checkpoint, or the latest complete checkpoint of a run's output dir."""
+    if (path / MARKER).is_file():
+        return path
+    if (checkpoints_root(path)).is_dir():
+        found = complete_checkpoints(checkpoints_root(path))
+        if found:
+            return found[-1]
+        raise FinetuneError(f"{path} holds no complete checkpoint; train with checkpoint.save_every_steps > 0")
+    if not path.exists():
+        raise FinetuneError(f"checkpoint {path} does not exist; pass a step_<N> folder or a run's output dir")
+    raise FinetuneError(
+        f"{path} is not a complete checkpoint (no {MARKER} marker: its save did not finish, or it is not a "
+        "checkpoint); pass an earlier complete step_<N> folder or the run's output dir"
+    )
+
+
 def save_checkpoint(
-    accelerator: Accelerator, output_dir: Path, state: TrainerState, recipe: RecipeConfig, keep_last: int
+    accelerator: Accelerator,
+    output_dir: Path,
+    state: TrainerState,
+    recipe: RecipeConfig,
+    keep_last: int,
+    write_model_files: Callable[[Path], None],
 ) -> Path:
-    """Write `step_<N>` atomically on every process (collective), then prune to the newest `keep_last`."""
+    """Write `step_<N>` atomically on every process (collective), then prune to the newest `keep_last`.
+
+    `write_model_files(folder)` writes the config, generation config and tokenizer files there.
+    """
     root = checkpoints_root(output_dir)
     final = root / f"step_{state.step}"
     partial = root / f"step_{state.step}.partial"
@@ -87,6 +118,7 @@ def save_checkpoint(
     if accelerator.is_main_process:
         (partial / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
         save_recipe(recipe, partial / "recipe.yaml")
+        write_model_files(partial / MODEL_FILES)
         _write_synced(partial / MARKER, f"step {state.step}\n")
         shutil.rmtree(final, ignore_errors=True)  # a complete checkpoint of the same step from an earlier run
         os.replace(partial, final)

@@ -1,8 +1,10 @@
-"""Command line: `python -m finetune train RECIPE [section.key=value ...]`.
+"""Command line: `python -m finetune train|export|plan|demo ...`.
 
-Launch through accelerate so that the accelerate config picks the hardware and sharding:
+Launch training through accelerate so that the accelerate config picks the hardware and sharding:
     accelerate launch --config_file accelerate_configs/fsdp2_full_shard.yaml \
         -m finetune train recipes/demo/tiny_llama.yaml
+Export runs as one plain process, from any checkpoint:
+    python -m finetune export outputs/demo/run/checkpoints/step_300 exported/ --dtype bf16
 """
 
 from __future__ import annotations
@@ -11,33 +13,36 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from finetune.errors import FinetuneError
 
+EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune causal LMs with FSDP via accelerate.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    train_parser = commands.add_parser("train", help="train with a recipe (run under `accelerate launch`)")
-    train_parser.add_argument("recipe", help="recipe YAML, e.g. recipes/demo/tiny_llama.yaml")
-    train_parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-5 train.max_steps=10")
-    demo_parser = commands.add_parser("demo", help="the offline demo: build its base model and data, or report")
-    demo_parser.add_argument("action", choices=["build", "report"])
-    demo_parser.add_argument("--dir", default="outputs/demo", help="demo working folder (base model and data)")
-    demo_parser.add_argument("--run", default="outputs/demo/run", help="output.dir of the demo training run")
-    args = parser.parse_args(argv)
-
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         if args.command == "train":
+            _train(args.recipe, args.overrides)
+        elif args.command == "plan":
             from finetune.config import load_recipe
+            from finetune.plan import parse_memory, plan, read_launch
 
-            recipe = load_recipe(args.recipe, args.overrides)  # before the slow imports: typos fail fast
-            from finetune.distributed import shutdown
-            from finetune.loop import train
+            recipe = load_recipe(args.recipe, args.overrides)
+            launch = read_launch(Path(args.config), args.num_processes, args.num_machines)
+            print(plan(recipe, launch, parse_memory(args.gpu_memory)))
+        elif args.command == "export":
+            from finetune.export import export_checkpoint
+            from finetune.model import DTYPES
 
-            train(recipe)
-            shutdown()  # only after train() returned, so its model and loaders are already freed
+            dtype = DTYPES[EXPORT_DTYPES[args.dtype]] if args.dtype else None
+            out = export_checkpoint(
+                Path(args.checkpoint), Path(args.out), dtype=dtype, max_shard_size=args.max_shard_size,
+                overwrite=args.overwrite,
+            )  # fmt: skip
+            print(f"exported {args.checkpoint} to {out}")
         else:
             from finetune import demo
 
@@ -48,3 +53,54 @@ def main(argv: list[str] | None = None) -> int:
             print(f"finetune: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _train(recipe_path: str, overrides: list[str]) -> None:
+    from finetune.config import load_recipe
+
+    recipe = load_recipe(recipe_path, overrides)  # before the slow imports: typos fail fast
+    from finetune.distributed import shutdown
+    from finetune.export import export_checkpoint
+    from finetune.loop import train
+    from finetune.model import DTYPES
+
+    result = train(recipe)
+    shutdown()  # only after train() returned, so its model and loaders are already freed
+    # The export runs on one process after the process group is gone: however long it takes,
+    # no other rank waits on a collective that could time out.
+    if recipe.output.export and result.final_checkpoint is not None and os.environ.get("RANK", "0") == "0":
+        dtype = DTYPES[recipe.output.export_dtype] if recipe.output.export_dtype else None
+        out = export_checkpoint(result.final_checkpoint, result.output_dir / "final", dtype=dtype, overwrite=True)
+        print(f"exported {result.final_checkpoint} to {out}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune causal LMs with FSDP via accelerate.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    train_parser = commands.add_parser("train", help="train with a recipe (run under `accelerate launch`)")
+    train_parser.add_argument("recipe", help="recipe YAML, e.g. recipes/demo/tiny_llama.yaml")
+    train_parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-5 train.max_steps=10")
+    export_parser = commands.add_parser(
+        "export", help="write a checkpoint as a Hugging Face model folder (one process, no launcher)"
+    )
+    export_parser.add_argument("checkpoint", help="a checkpoints/step_<N> folder, or a run's output dir (its latest)")
+    export_parser.add_argument("out", help="folder to write: config, tokenizer, safetensors weights")
+    export_parser.add_argument(
+        "--dtype", choices=sorted(EXPORT_DTYPES), help="weights dtype (default: the dtype the parameters trained in)"
+    )
+    export_parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB")
+    export_parser.add_argument("--overwrite", action="store_true", help="replace a model already in OUT")
+    plan_parser = commands.add_parser(
+        "plan", help="estimate memory per device for a recipe and an accelerate config (no GPU, no weights)"
+    )
+    plan_parser.add_argument("recipe", help="recipe YAML")
+    plan_parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.micro_batch_size=2")
+    plan_parser.add_argument("--config", required=True, help="accelerate config, e.g. accelerate_configs/X.yaml")
+    plan_parser.add_argument("--num-processes", type=int, required=True, help="processes (GPUs) in all")
+    plan_parser.add_argument("--num-machines", type=int, default=1, help="machines (nodes)")
+    plan_parser.add_argument("--gpu-memory", default="80GB", help="memory of one device, e.g. 80GB, 24GiB")
+    demo_parser = commands.add_parser("demo", help="the offline demo: build its base model and data, or report")
+    demo_parser.add_argument("action", choices=["build", "report"])
+    demo_parser.add_argument("--dir", default="outputs/demo", help="demo working folder (base model and data)")
+    demo_parser.add_argument("--run", default="outputs/demo/run", help="output.dir of the demo training run")
+    return parser

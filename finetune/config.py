@@ -138,7 +138,8 @@ class OutputConfig:
     """Accelerate trackers to log to, e.g. [tensorboard]. Metrics always go to `metrics.jsonl`."""
 
     export: bool = True
-    """Write a consolidated safetensors model to `<dir>/final` at the end of training."""
+    """At the end of training, save a checkpoint of the last step and export it (the same exporter as
+    `finetune export`, on one process after the others finished) to `<dir>/final`."""
 
     export_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Dtype of exported weights; None keeps the training dtype of the parameters (`model.dtype`)."""

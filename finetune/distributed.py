@@ -23,7 +23,7 @@ import accelerate
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DataLoaderConfiguration, DistributedType, FullyShardedDataParallelPlugin
-from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy
 
 from finetune.errors import FinetuneError
 from finetune.wrap import fsdp_units
@@ -44,11 +44,13 @@ def fsdp_requested() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
-def build_accelerator(*, trackers: list[str], project_dir: str, recipe_activation_checkpointing: bool) -> Accelerator:
+def build_accelerator(
+    *, trackers: list[str], project_dir: str, recipe_activation_checkpointing: bool, param_dtype: torch.dtype
+) -> Accelerator:
     """Create the Accelerator for this process and check that every launched process joined it."""
     _check_launch_environment(recipe_activation_checkpointing)
     on_cpu = not has_accelerator()
-    plugin = _fsdp_plugin(on_cpu) if fsdp_requested() else None
+    plugin = _fsdp_plugin(on_cpu, param_dtype) if fsdp_requested() else None
     if on_cpu and plugin is not None and "LOCAL_RANK" not in os.environ:
         _single_process_group_env()
     accelerator = Accelerator(
@@ -102,16 +104,63 @@ def _check_launch_environment(recipe_activation_checkpointing: bool) -> None:
         )
 
 
-def _fsdp_plugin(on_cpu: bool) -> FullyShardedDataParallelPlugin:
-    """The FSDP plugin from the launcher's environment.
+def _fsdp_plugin(on_cpu: bool, param_dtype: torch.dtype) -> FullyShardedDataParallelPlugin:
+    """The FSDP plugin from the launcher's environment, with our mixed-precision policy.
 
     accelerate raises while building an FSDP1 plugin with `sync_module_states` on a machine without
     an accelerator, and torch's FSDP1 refuses to sync CPU tensors anyway. On CPU we build the plugin
     with it off and broadcast rank 0's weights ourselves (`broadcast_module_states`).
     """
-    if on_cpu and os.environ.get("FSDP_VERSION", "1") == "1":
-        return FullyShardedDataParallelPlugin(sync_module_states=False)
-    return FullyShardedDataParallelPlugin()
+    fsdp_version = int(os.environ.get("FSDP_VERSION", "1"))
+    options: dict[str, Any] = {}
+    policy = _mixed_precision_policy(fsdp_version, os.environ.get("ACCELERATE_MIXED_PRECISION", "no"), param_dtype)
+    if policy is not None:
+        options["mixed_precision_policy"] = policy
+    if on_cpu and fsdp_version == 1:
+        options["sync_module_states"] = False
+    return FullyShardedDataParallelPlugin(**options)
+
+
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _mixed_precision_policy(fsdp_version: int, mixed_precision: str, param_dtype: torch.dtype) -> Any:
+    """fp32 master parameters + low-precision compute: compute in bf16/fp16, reduce gradients in fp32.
+
+    accelerate's default FSDP policy reduces gradients in the compute dtype; summed over many ranks
+    in bf16 (8 bits of mantissa) that loses the small gradient components that fp32 master weights
+    exist to keep. None (accelerate's default) for fp32 training and FSDP1 low-precision parameters.
+    """
+    compute = _COMPUTE_DTYPES.get(mixed_precision)
+    # accelerate upcasts FSDP2's parameters to float32 under mixed precision, whatever model.dtype says.
+    if compute is None or (param_dtype != torch.float32 and fsdp_version == 1):
+        return None
+    if fsdp_version == 2:
+        return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, output_dtype=compute)
+    return MixedPrecision(param_dtype=compute, reduce_dtype=torch.float32, buffer_dtype=compute)
+
+
+def precision_policy(accelerator: Accelerator, requested: torch.dtype, stored: torch.dtype) -> str:
+    """Which dtype each kind of tensor has in this run: `stored` is the prepared model's real parameter
+    dtype, which differs from the recipe's `requested` one where accelerate upcast it."""
+    compute = _COMPUTE_DTYPES.get(accelerator.mixed_precision)
+    stored_name = str(stored).removeprefix("torch.")
+    if compute is None:
+        line = f"precision: {stored_name} throughout (parameters, gradients, optimizer state, compute, reduction)"
+    elif stored == torch.float32:
+        line = (
+            f"precision: {accelerator.mixed_precision} mixed; parameters, gradients and optimizer state in float32, "
+            f"compute in {str(compute).removeprefix('torch.')}, gradients reduced in float32"
+        )
+    else:
+        mixed = accelerator.mixed_precision
+        line = f"precision: {stored_name} parameters, gradients and optimizer state, {mixed} compute"
+    if stored != requested:
+        line += (
+            f" (model.dtype {str(requested).removeprefix('torch.')} was upcast by accelerate, which keeps float32 "
+            "master parameters under FSDP2 mixed precision; for pure bf16 set mixed_precision: no)"
+        )
+    return line
 
 
 def _enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:

@@ -15,7 +15,7 @@ MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
 def token_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-token cross-entropy (0 where the target is IGNORE), shape (batch, seq)."""
     inputs = {key: value for key, value in batch.items() if key in MODEL_INPUTS}
-    logits = model(**inputs).logits
+    logits = model(**inputs, use_cache=False).logits  # a KV cache only costs memory here
     targets = batch["target_ids"]
     # Upcast so that a bf16 forward does not also give a bf16 loss.
     losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none")

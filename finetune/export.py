@@ -1,84 +1,344 @@
-"""Export a trained model as a Hugging Face folder with consolidated safetensors weights."""
+"""Export a checkpoint as a Hugging Face model folder with consolidated safetensors weights.
+
+One process, no torch.distributed: the weights are read from the checkpoint a few tensors at a
+time (torch.distributed.checkpoint partial loads for SHARDED checkpoints, memory-mapped reads for
+FULL ones) and written one output shard at a time, so peak memory stays about one output shard
+whatever the model size, and no training process waits on a gather while it runs.
+
+The folder is what `AutoModelForCausalLM.from_pretrained` expects: config.json (stating the
+exported dtype), generation_config.json, the tokenizer files, and `model.safetensors` or
+`model-0000i-of-0000N.safetensors` with `model.safetensors.index.json`. Tied weights are stored
+once, under the name transformers loads them by.
+"""
 
 from __future__ import annotations
 
-import copy
+import json
+import pickle
+import re
 import shutil
+import warnings
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import DistributedType
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import PreTrainedTokenizerBase
+import torch.distributed.checkpoint as dcp
+from huggingface_hub import StateDictSplit, split_torch_state_dict_into_shards
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from finetune.checkpoint import MODEL_FILES, find_checkpoint
+from finetune.errors import FinetuneError
+
+# Wrapper prefixes that FSDP1, activation checkpointing, torch.compile and DDP add to parameter names.
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+# Tensors read together from the checkpoint, as a fraction of the output shard size: this bounds
+# the extra memory of reading in the checkpoint's dtype (fp32) before converting (to bf16).
+_READ_FRACTION = 10
 
 
-def gather_full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state dict on the main process (empty elsewhere under FSDP); collective.
-
-    Under FSDP this uses torch.distributed.checkpoint's `get_model_state_dict`, which serves FSDP1
-    and FSDP2 alike, gathering onto the main process's CPU memory. One exception: FSDP1's
-    offload-to-CPU gather segfaults when the parameters already live on the CPU (it frees the
-    unsharded buffer that the "offloaded" tensors still alias), so FSDP1 CPU runs gather without
-    offload, giving every rank a full copy.
-    """
-    if accelerator.distributed_type != DistributedType.FSDP:
-        return accelerator.get_state_dict(model)
-    fsdp1_on_cpu = accelerator.state.fsdp_plugin.fsdp_version == 1 and accelerator.device.type == "cpu"
-    options = StateDictOptions(full_state_dict=True, cpu_offload=not fsdp1_on_cpu)
-    return get_model_state_dict(model, options=options)
-
-
-def _with_tied_aliases(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Make every name of a parameter shared by several modules (tied embeddings) refer to one tensor.
-
-    A gathered state dict holds a shared parameter under one of its names, or under each name as
-    separate copies. save_pretrained recognises ties by shared storage, and only then stores the
-    weight once under the name from_pretrained expects (the input embedding) instead of lm_head.
-    """
-    names_by_param: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        clean = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
-        names_by_param.setdefault(id(param), []).append(clean)
-    complete = dict(state_dict)
-    for names in names_by_param.values():
-        present = next((name for name in names if name in state_dict), None)
-        if present is not None and len(names) > 1:
-            for name in names:
-                complete[name] = state_dict[present]
-    return complete
-
-
-def export_model(
-    accelerator: Accelerator,
-    model: torch.nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
+def export_checkpoint(
+    checkpoint: Path,
     out_dir: Path,
-    dtype: torch.dtype,
+    *,
+    dtype: torch.dtype | None = None,
     max_shard_size: str = "5GB",
-) -> None:
-    """Gather the full state dict and write config, generation config, tokenizer and weights to `out_dir`.
+    overwrite: bool = False,
+) -> Path:
+    """Write the model of `checkpoint` (a `step_<N>` folder, or a run's output dir for its latest
+    checkpoint) to `out_dir`; `dtype` None keeps the dtype the parameters were trained in.
 
-    Must be called on every process (gathering is collective). The folder is written under a
-    temporary name and renamed when complete, so `out_dir` never holds a half-written model.
+    The folder is written as `<out_dir>.partial` and renamed when complete, so `out_dir` never
+    holds a half-written model, and an earlier model there is replaced only by a complete one.
     """
-    state_dict = gather_full_state_dict(accelerator, model)
-    if accelerator.is_main_process:
-        partial = out_dir.with_name(out_dir.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        unwrapped = accelerator.unwrap_model(model)
-        # Convert first: converting after aliasing would turn the shared tensor back into separate copies.
-        state_dict = _with_tied_aliases(unwrapped, {name: tensor.to(dtype) for name, tensor in state_dict.items()})
-        # save_pretrained drops tied duplicates (lm_head of a tied model) the way from_pretrained expects.
-        unwrapped.save_pretrained(partial, state_dict=state_dict, max_shard_size=max_shard_size)
-        # save_pretrained records the live model's dtype; config.json must state the dtype of these weights.
-        config = copy.deepcopy(unwrapped.config)
-        config.dtype = dtype
+    checkpoint = find_checkpoint(checkpoint)
+    _check_out_dir(out_dir, overwrite)
+    weights = open_weights(checkpoint)
+    config = AutoConfig.from_pretrained(checkpoint / MODEL_FILES)
+    names = _export_names(config, weights, checkpoint)
+    dtype = dtype or weights.training_dtype()
+    layout = {
+        name: torch.empty(weights.shapes[source], dtype=_target_dtype(weights.dtypes[source], dtype), device="meta")
+        for name, source in names.items()
+    }
+    split = _plan_shards(layout, max_shard_size)
+    partial = _make_partial(out_dir)
+    try:
+        shutil.copytree(checkpoint / MODEL_FILES, partial, dirs_exist_ok=True)  # tokenizer, configs
+        config.dtype = dtype  # config.json states the dtype of these weights, so dtype="auto" loads them as saved
         config.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
-        previous = out_dir.with_name(out_dir.name + ".previous")
-        if out_dir.exists():
-            out_dir.rename(previous)
-        partial.rename(out_dir)
-        shutil.rmtree(previous, ignore_errors=True)
-    accelerator.wait_for_everyone()
+        largest_shard = max(_nbytes(layout, names) for names in split.filename_to_tensors.values())
+        read_budget = max(largest_shard // _READ_FRACTION, 1)
+        for filename, shard_names in split.filename_to_tensors.items():
+            shard: dict[str, torch.Tensor] = {}
+            for group in _read_groups(shard_names, layout, read_budget):
+                loaded = _read(weights, [names[name] for name in group], checkpoint)
+                for name in group:
+                    shard[name] = loaded.pop(names[name]).to(layout[name].dtype).contiguous()
+            save_file(shard, partial / filename, metadata={"format": "pt"})
+            del shard
+        if split.is_sharded:
+            index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+            (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        _replace(partial, out_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return out_dir
+
+
+class CheckpointWeights(ABC):
+    """The model weights of one checkpoint, by parameter name, readable a few tensors at a time."""
+
+    def __init__(self, shapes: dict[str, torch.Size], dtypes: dict[str, torch.dtype]):
+        self.shapes, self.dtypes = shapes, dtypes
+
+    @abstractmethod
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """These tensors, in the checkpoint's dtype, in memory."""
+
+    def training_dtype(self) -> torch.dtype:
+        """The floating dtype holding most of the parameters: what the run trained in."""
+        counts: Counter[torch.dtype] = Counter()
+        for name, shape in self.shapes.items():
+            if self.dtypes[name].is_floating_point:
+                counts[self.dtypes[name]] += shape.numel()
+        return counts.most_common(1)[0][0]
+
+
+class _ShardedWeights(CheckpointWeights):
+    """A SHARDED checkpoint: torch.distributed.checkpoint files, one per saving rank."""
+
+    def __init__(self, folder: Path):
+        self.reader = _SafeMetadataReader(folder)
+        metadata = self.reader.read_metadata().state_dict_metadata
+        # accelerate saves {"model": model.state_dict()}, which DCP flattens to "model.<name>".
+        self.keys = {_clean(key.removeprefix("model.")): key for key in metadata}
+        super().__init__(
+            {name: metadata[key].size for name, key in self.keys.items()},
+            {name: metadata[key].properties.dtype for name, key in self.keys.items()},
+        )
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        wanted = {self.keys[name]: torch.empty(self.shapes[name], dtype=self.dtypes[name]) for name in names}
+        with warnings.catch_warnings():  # "torch.distributed is disabled": one process is the point here
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(wanted, storage_reader=self.reader, no_dist=True)  # reads only these tensors' bytes
+        return {name: wanted[self.keys[name]] for name in names}
+
+
+class _TorchFileWeights(CheckpointWeights):
+    """A FULL checkpoint of an FSDP run: one torch.save file, memory-mapped so it is read lazily."""
+
+    def __init__(self, path: Path):
+        loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        self.tensors = {_clean(key): tensor for key, tensor in loaded.items()}
+        super().__init__(
+            {name: t.shape for name, t in self.tensors.items()}, {name: t.dtype for name, t in self.tensors.items()}
+        )
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return {name: self.tensors[name].clone() for name in names}
+
+
+class _SafetensorsWeights(CheckpointWeights):
+    """The full model as safetensors files (DDP and single-process checkpoints)."""
+
+    def __init__(self, paths: list[Path]):
+        self.files: dict[str, tuple[Path, str]] = {}
+        shapes, dtypes = {}, {}
+        for path in paths:
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is no dict)
+                    view = f.get_slice(key)
+                    name = _clean(key)
+                    self.files[name] = (path, key)
+                    shapes[name] = torch.Size(view.get_shape())
+                    dtypes[name] = _SAFETENSORS_DTYPES[view.get_dtype()]
+        super().__init__(shapes, dtypes)
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in names:
+            path, key = self.files[name]
+            with safe_open(path, framework="pt") as f:
+                out[name] = f.get_tensor(key)
+        return out
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def open_weights(checkpoint: Path) -> CheckpointWeights:
+    """The model weights of a checkpoint, in whichever layout accelerate's save_state wrote them."""
+    if (checkpoint / "pytorch_model_fsdp_0" / ".metadata").is_file():
+        return _ShardedWeights(checkpoint / "pytorch_model_fsdp_0")
+    full = sorted(checkpoint.glob("pytorch_model_fsdp*.bin"))
+    if full:
+        return _TorchFileWeights(full[0])
+    safetensors_files = sorted(checkpoint.glob("model*.safetensors"))
+    if safetensors_files:
+        return _SafetensorsWeights(safetensors_files)
+    raise FinetuneError(
+        f"checkpoint {checkpoint} holds no model weights (no pytorch_model_fsdp_0/, pytorch_model_fsdp.bin or "
+        "model.safetensors); pass a step_<N> folder written by `finetune train`"
+    )
+
+
+class _SafeMetadataReader(FileSystemReader):
+    """Reads DCP's `.metadata` pickle allowing only the checkpoint metadata types, never arbitrary code."""
+
+    def read_metadata(self, *args, **kwargs):
+        if not hasattr(self, "_metadata"):
+            with open(Path(self.path) / ".metadata", "rb") as f:
+                self._metadata = _MetadataUnpickler(f).load()
+        return self._metadata
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    _ALLOWED = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+    }
+
+    def find_class(self, module: str, name: str):
+        allowed = (
+            (module, name) in self._ALLOWED
+            or module == "torch.distributed.checkpoint.metadata"
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
+        if not allowed:
+            raise FinetuneError(
+                f"checkpoint metadata refers to {module}.{name}, which a torch.distributed.checkpoint metadata file "
+                "never does; refusing to load it (the file may have been tampered with)"
+            )
+        return super().find_class(module, name)
+
+
+def _export_names(config, weights: CheckpointWeights, checkpoint: Path) -> dict[str, str]:
+    """Exported name -> checkpoint name, for every tensor of the model `config` describes.
+
+    The model is built on the meta device (no memory) to learn the names from_pretrained loads.
+    A tied parameter has several names; it is exported once, under the first (the input
+    embedding, as transformers saves it), from whichever of its names the checkpoint holds.
+    """
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    aliases: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        aliases.setdefault(id(tensor), []).append(name)
+    names, missing = {}, []
+    for group in aliases.values():
+        source = next((name for name in group if name in weights.shapes), None)
+        if source is None:
+            missing.append(group[0])
+        else:
+            names[group[0]] = source
+    known = {name for group in aliases.values() for name in group}
+    unexpected = sorted(set(weights.shapes) - known)
+    if missing or unexpected:
+        listed = f"missing: {', '.join(missing[:5]) or 'none'}; unexpected: {', '.join(unexpected[:5]) or 'none'}"
+        raise FinetuneError(
+            f"checkpoint {checkpoint} does not match the {type(model).__name__} its {MODEL_FILES}/config.json "
+            f"describes ({listed}); export a checkpoint written by `finetune train` for this model"
+        )
+    return names
+
+
+def _read(weights: CheckpointWeights, names: list[str], checkpoint: Path) -> dict[str, torch.Tensor]:
+    try:
+        return weights.read(names)
+    except FinetuneError:
+        raise
+    except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException; others vary
+        if isinstance(exc, CheckpointException):  # it wraps the reader's own exception
+            exc = next(iter(exc.failures.values()))[0]
+        first_line = (str(exc).strip().splitlines() or [""])[0] or type(exc).__name__
+        raise FinetuneError(
+            f"cannot read {names[0]} from checkpoint {checkpoint} ({first_line}); its files are damaged or "
+            "incomplete: export an earlier checkpoint"
+        ) from None
+
+
+def _target_dtype(stored: torch.dtype, requested: torch.dtype) -> torch.dtype:
+    """Floating tensors take the requested dtype; integer buffers keep theirs."""
+    return requested if stored.is_floating_point else stored
+
+
+def _read_groups(names: list[str], layout: dict[str, torch.Tensor], budget: int) -> Iterator[list[str]]:
+    """Consecutive groups of `names` of at most `budget` bytes each (a larger tensor forms a group alone)."""
+    group: list[str] = []
+    size = 0
+    for name in names:
+        nbytes = layout[name].numel() * 4  # checkpoints hold at most 4 bytes per element (fp32)
+        if group and size + nbytes > budget:
+            yield group
+            group, size = [], 0
+        group.append(name)
+        size += nbytes
+    if group:
+        yield group
+
+
+def _plan_shards(layout: dict[str, torch.Tensor], max_shard_size: str) -> StateDictSplit:
+    """Which tensors go to which file, named and indexed as transformers' save_pretrained does."""
+    size = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*[KMGT]B\s*", max_shard_size, re.IGNORECASE)
+    if size is None or float(size.group(1)) <= 0:
+        raise FinetuneError(f"max shard size {max_shard_size!r} is not a size; write it like 5GB, 500MB or 100KB")
+    return split_torch_state_dict_into_shards(
+        layout, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size.upper().replace(" ", "")
+    )
+
+
+def _nbytes(layout: dict[str, torch.Tensor], names: list[str]) -> int:
+    return sum(layout[name].numel() * layout[name].element_size() for name in names)
+
+
+def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """Refuse to replace a model (or anything else) without overwrite."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FinetuneError(f"export folder {out_dir} is a file; pass a folder path")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        holds = "a model" if (out_dir / "config.json").exists() else "files"
+        raise FinetuneError(f"export folder {out_dir} already holds {holds}; pass --overwrite or another folder")
+
+
+def _make_partial(out_dir: Path) -> Path:
+    """The empty folder the export is written into, next to out_dir; fails early if it can't be written."""
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    try:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    except OSError as exc:
+        raise FinetuneError(
+            f"cannot write the export folder {out_dir} ({exc.strerror}); pick a folder you can write to"
+        ) from None
+    return partial
+
+
+def _replace(partial: Path, out_dir: Path) -> None:
+    """Move the complete folder into place; an earlier folder there is removed only afterwards."""
+    previous = out_dir.with_name(out_dir.name + ".previous")
+    shutil.rmtree(previous, ignore_errors=True)
+    if out_dir.exists():
+        out_dir.rename(previous)
+    partial.rename(out_dir)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def _clean(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name.removeprefix("module.")

@@ -1,4 +1,4 @@
-"""The training loop: recipe -> accelerator -> model and data -> steps -> export.
+"""The training loop: recipe -> accelerator -> model and data -> steps -> final checkpoint.
 
 Loss normalization: each optimizer step minimizes (sum of token losses) / (target tokens in the
 whole step, over all micro-batches and all processes). That is the same objective whether the
@@ -8,13 +8,15 @@ per-micro-batch means would weight short and long batches differently.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
 import math
+import resource
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
+from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -39,20 +42,23 @@ from finetune.distributed import (
     broadcast_module_states,
     build_accelerator,
     local_params_fingerprint,
+    precision_policy,
     shard_report,
     strategy_name,
 )
 from finetune.errors import FinetuneError
 from finetune.evaluate import evaluate, token_losses
-from finetune.export import export_model
+from finetune.memory import MemoryProbe, format_reports, gather_reports, memory_metrics
 from finetune.metrics import MetricsLogger
-from finetune.model import DTYPES, load_model, load_tokenizer
+from finetune.model import DTYPES, load_model, load_tokenizer, save_model_files
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.wrap import format_wrap_plan, fsdp_units, validate_wrap_policy
 
 logger = logging.getLogger("finetune")
 
 Batch = dict[str, torch.Tensor]
+
+FINAL_LOGITS = "final_logits.safetensors"
 
 
 @dataclass
@@ -76,10 +82,18 @@ class Run:
     eval_loader: DataLoader | None
     max_steps: int
     output_dir: Path
+    write_model_files: Callable[[Path], None]
 
 
-def train(recipe: RecipeConfig) -> Path:
-    """Run the recipe under the accelerate config this process was launched with; return the output dir."""
+@dataclass(frozen=True)
+class TrainResult:
+    output_dir: Path
+    final_checkpoint: Path | None
+    """The checkpoint of the last step, to export from; None when a preemption signal stopped training."""
+
+
+def train(recipe: RecipeConfig) -> TrainResult:
+    """Run the recipe under the accelerate config this process was launched with."""
     output_dir = Path(recipe.output.dir)
     resume_from = resolve_resume(recipe.checkpoint.resume, output_dir)
     # Resuming a checkpoint found in output.dir continues that run; anything else needs output.overwrite.
@@ -88,6 +102,7 @@ def train(recipe: RecipeConfig) -> Path:
         trackers=recipe.output.trackers,
         project_dir=str(output_dir),
         recipe_activation_checkpointing=recipe.train.activation_checkpointing,
+        param_dtype=DTYPES[recipe.model.dtype],
     )
     set_seed(recipe.train.seed)
 
@@ -105,11 +120,15 @@ def train(recipe: RecipeConfig) -> Path:
     eval_loader = accelerator.prepare(data.eval_loader) if data.eval_loader is not None else None
     max_steps = _max_steps(recipe, train_loader)
     scheduler = build_scheduler(optimizer.optimizer, recipe.optim, max_steps)
-    accelerator.register_for_checkpointing(scheduler)
-    run = Run(recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, max_steps, output_dir)
+    write_model_files = functools.partial(save_model_files, accelerator.unwrap_model(model), tokenizer)
+    run = Run(
+        recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, max_steps, output_dir,
+        write_model_files,
+    )  # fmt: skip
     start = TrainerState(0, 0, 0, accelerator.num_processes, recipe.model.name_or_path)
     if resume_from is not None:
         start = load_checkpoint(accelerator, resume_from, recipe)
+        scheduler.load_state_dict(start.scheduler)
     # Everything is validated, built and restored: only now is the output dir written to.
     _claim_output_dir(output_dir, accelerator, resumed_step=start.step if resume_from else None)
     if accelerator.is_main_process:
@@ -121,14 +140,14 @@ def train(recipe: RecipeConfig) -> Path:
         seen, preempted = run_steps(run, metrics, start)
         if preempted:
             accelerator.print(f"preempted: checkpoint saved at step {preempted}; resume with checkpoint.resume=auto")
-            return output_dir
-        if recipe.output.export:
-            export_dtype = DTYPES[recipe.output.export_dtype or recipe.model.dtype]
-            export_model(accelerator, model, tokenizer, output_dir / "final", export_dtype)
+            return TrainResult(output_dir, None)
         _write_rank_report(accelerator, model, output_dir, seen, max_steps)
+        if recipe.output.export:
+            save_final_logits(run, output_dir / FINAL_LOGITS)
     finally:
         metrics.close()  # ends the progress bar, so that an error message starts on its own line
-    return output_dir
+    final = checkpoints_root(output_dir) / f"step_{max_steps}"
+    return TrainResult(output_dir, final if (recipe.checkpoint.save_every_steps or recipe.output.export) else None)
 
 
 def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[str, int]:
@@ -140,11 +159,13 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
     recipe, accelerator = run.recipe, run.accelerator
     accumulation = recipe.train.gradient_accumulation_steps
     save_every = recipe.checkpoint.save_every_steps
+    save_last = bool(save_every or recipe.output.export)  # the export reads the last step's checkpoint
     rows_per_micro_batch = recipe.train.micro_batch_size * accelerator.num_processes
     # A fingerprint of the token ids this rank trained on, accumulated on the device without syncing.
     data_fingerprint = torch.zeros((), dtype=torch.int64, device=accelerator.device)
     last_log_time, tokens_since_log = time.perf_counter(), 0
     windows = _accumulation_windows(run.train_loader, accumulation, start, rows_per_micro_batch, accelerator)
+    probe: MemoryProbe | None = MemoryProbe(run.model, accelerator)  # measures this run's first step
     metrics.advance(start.step)
     with PreemptionSignals(enabled=save_every > 0) as preemption:
         for step in range(start.step + 1, run.max_steps + 1):
@@ -152,8 +173,15 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
             for i, batch in enumerate(micro_batches):
                 data_fingerprint += batch["input_ids"].long().sum() * (step * accumulation + i)
             lr = run.scheduler.get_last_lr()[0]  # the rate this step's update uses
-            result = train_step(run.model, run.optimizer, micro_batches, accelerator, recipe.optim.max_grad_norm, step)
+            result = train_step(
+                run.model, run.optimizer, micro_batches, accelerator, recipe.optim.max_grad_norm, step, probe
+            )
             run.scheduler.step()
+            if probe is not None:
+                reports = gather_reports(accelerator, probe.report)
+                accelerator.print(format_reports(reports))
+                metrics.log(step, memory_metrics(reports))
+                probe = None
             tokens_since_log += result.num_tokens
             metrics.advance()
             last_step = step == run.max_steps
@@ -174,14 +202,34 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
             if run.eval_loader is not None and (eval_due or last_step):
                 metrics.log(step, {"eval_loss": evaluate(run.model, run.eval_loader, accelerator)})
             stop = preemption.requested(accelerator)
-            if save_every and (step % save_every == 0 or last_step or stop):
+            if (save_every and (step % save_every == 0 or stop)) or (save_last and last_step):
                 state = TrainerState(
-                    step, epoch, rows_into_epoch, accelerator.num_processes, recipe.model.name_or_path
+                    step,
+                    epoch,
+                    rows_into_epoch,
+                    accelerator.num_processes,
+                    recipe.model.name_or_path,
+                    run.scheduler.state_dict(),
                 )
-                save_checkpoint(accelerator, run.output_dir, state, recipe, recipe.checkpoint.keep_last)
+                save_checkpoint(
+                    accelerator, run.output_dir, state, recipe, recipe.checkpoint.keep_last, run.write_model_files
+                )
             if stop and not last_step:
                 return f"{data_fingerprint.item():x}", step
     return f"{data_fingerprint.item():x}", 0
+
+
+@torch.no_grad()
+def save_final_logits(run: Run, path: Path) -> None:
+    """Logits of the trained model on a fixed token sequence (collective forward; the main process
+    writes them): any reload of the exported model must reproduce them."""
+    vocab_size = run.accelerator.unwrap_model(run.model).config.get_text_config().vocab_size
+    input_ids = torch.randint(0, vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    run.model.eval()
+    logits = run.model(input_ids=input_ids.to(run.accelerator.device), use_cache=False).logits
+    run.model.train()
+    if run.accelerator.is_main_process:
+        save_file({"input_ids": input_ids, "logits": logits.float().cpu().contiguous()}, path)
 
 
 def train_step(
@@ -191,6 +239,7 @@ def train_step(
     accelerator: Accelerator,
     max_grad_norm: float,
     step: int,
+    probe: MemoryProbe | None = None,
 ) -> StepResult:
     """One optimizer step over this process's micro-batches; returns the global loss per target token."""
     counts = torch.stack(
@@ -207,7 +256,8 @@ def train_step(
         # micro-batch instead: skipping would keep unsharded gradients and defeat its memory savings.
         skip_sync = i < len(micro_batches) - 1 and accelerator.distributed_type != DistributedType.FSDP
         with accelerator.no_sync(model) if skip_sync else nullcontext():
-            batch_loss = token_losses(model, batch).sum()
+            with probe.counting_activations() if probe is not None and i == 0 else nullcontext():
+                batch_loss = token_losses(model, batch).sum()
             accelerator.backward(batch_loss * scale)
         loss_sum += batch_loss.detach()
     loss = accelerator.reduce(loss_sum, "sum").item() / max(num_targets, 1)
@@ -219,6 +269,8 @@ def train_step(
             "applied. Lower optim.lr, raise optim.warmup_steps, or keep model.dtype float32 with bf16 mixed precision"
         )
     optimizer.step()
+    if probe is not None:
+        probe.measure_update(optimizer)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss, grad_norm, int(num_tokens), int(num_targets))
 
@@ -297,11 +349,9 @@ def _log_setup(
         return
     processes = accelerator.num_processes
     global_batch = recipe.train.micro_batch_size * recipe.train.gradient_accumulation_steps * processes
-    precision = accelerator.mixed_precision
     lines = [
         f"strategy: {strategy_name(accelerator)} on {accelerator.device.type}",
-        f"precision: parameters and optimizer state in {recipe.model.dtype}, compute in "
-        f"{'bf16' if precision == 'bf16' else 'fp16' if precision == 'fp16' else recipe.model.dtype}",
+        precision_policy(accelerator, DTYPES[recipe.model.dtype], next(model.parameters()).dtype),
         f"batch: {recipe.train.micro_batch_size} x {recipe.train.gradient_accumulation_steps} accumulation x "
         f"{processes} processes = {global_batch} sequences per step, {max_steps} steps",
         data.train_stats.describe("train data"),
@@ -322,7 +372,11 @@ def _write_rank_report(
     """Per-rank facts for debugging a distributed run: what this rank holds and what data it saw."""
     report = shard_report(accelerator, model)
     report.update(
-        steps=max_steps, data_fingerprint=data_fingerprint, params_fingerprint=local_params_fingerprint(model)
+        steps=max_steps,
+        data_fingerprint=data_fingerprint,
+        params_fingerprint=local_params_fingerprint(model),
+        # The process's peak resident memory (Linux reports KiB): on CPU runs, where the model lives.
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     )
     ranks_dir = output_dir / "ranks"
     ranks_dir.mkdir(parents=True, exist_ok=True)

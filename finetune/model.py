@@ -54,10 +54,19 @@ def load_model(cfg: ModelConfig, activation_checkpointing: bool) -> PreTrainedMo
             f"cannot load a causal LM from {cfg.name_or_path!r} ({_first_line(exc)}); set model.name_or_path "
             "to a hub id or a local folder with config.json and safetensors weights"
         ) from None
-    model.config.use_cache = False  # the KV cache only costs memory in training
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # from_pretrained returns the model in eval mode, where dropout and activation checkpointing are off.
+    model.train()
     return model
+
+
+def save_model_files(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+    """Everything of a Hugging Face model folder but the weights: config, generation config, tokenizer."""
+    model.config.save_pretrained(folder)
+    if model.can_generate() and model.generation_config is not None:
+        model.generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def _first_line(exc: Exception) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -63,11 +64,24 @@ def launch(
     try:
         stdout, stderr = process.communicate(timeout=300)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        signal_launch(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
         message = f"{' '.join(command)} did not finish in 300 s:\n{stdout[-3000:]}\n{stderr[-6000:]}"
         raise AssertionError(message) from None
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def signal_launch(launcher_pid: int, signum: int) -> list[int]:
+    """Send `signum` to an `accelerate launch` and its training processes; returns the processes' pids.
+
+    torch's launcher starts every worker in a session of its own, so signalling the launcher's
+    process group would leave the workers running.
+    """
+    workers = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True).stdout.split()
+    for pid in [launcher_pid, *map(int, workers)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+    return [int(pid) for pid in workers]
 
 
 @pytest.fixture(scope="session")
@@ -130,6 +144,75 @@ def fsdp1_run(tmp_path_factory, demo_assets) -> Run:
 def ddp_run(tmp_path_factory, demo_assets) -> Run:
     """DDP with gradient accumulation (no_sync on all but the last micro-batch)."""
     return _run(tmp_path_factory, demo_assets, "ddp", "ddp.yaml", **{"train.gradient_accumulation_steps": 2})
+
+
+# Short runs that checkpoint every 2 steps and keep the last 2 checkpoints.
+CHECKPOINT_SETTINGS = {
+    "train.max_steps": 8,
+    "train.eval_every_steps": 0,
+    "data.eval_path": "null",
+    "checkpoint.save_every_steps": 2,
+    "checkpoint.keep_last": 2,
+}
+
+
+@pytest.fixture(scope="session")
+def one_process_run(tmp_path_factory, demo_assets) -> Run:
+    """The FSDP2 config on 1 process (a 1-rank group: SHARDED checkpoints), micro-batch 16: the same
+    global batch of 16 rows as the 2-process runs of CHECKPOINT_SETTINGS."""
+    return _run(
+        tmp_path_factory, demo_assets, "one", "fsdp2_full_shard.yaml", num_processes=1,
+        **CHECKPOINT_SETTINGS, **{"train.micro_batch_size": 16},
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def gpt2_base(tmp_path_factory, demo_assets) -> Path:
+    """A tiny GPT-2 with tied input and output embeddings, saved like a hub model."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    base = tmp_path_factory.mktemp("gpt2") / "base"
+    tokenizer = AutoTokenizer.from_pretrained(demo_assets / "base")
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=128,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    GPT2LMHeadModel(config).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    return base
+
+
+GPT2_WRAP = ("--fsdp_transformer_layer_cls_to_wrap", "GPT2Block")
+
+
+@pytest.fixture(scope="session")
+def gpt2_run(tmp_path_factory, demo_assets, gpt2_base) -> Run:
+    """The tied GPT-2 under FSDP2 full shard on 2 processes: SHARDED checkpoints."""
+    output_dir = tmp_path_factory.mktemp("gpt2_run") / "out"
+    overrides = recipe_overrides(demo_assets, output_dir, **{"model.name_or_path": gpt2_base})
+    result = launch("fsdp2_full_shard.yaml", overrides, launch_args=GPT2_WRAP)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return Run(result, output_dir)
+
+
+@pytest.fixture(scope="session")
+def gpt2_full_one_process_run(tmp_path_factory, demo_assets, gpt2_base) -> Run:
+    """The tied GPT-2 on 1 process with the shard-grad-op config: FULL checkpoints."""
+    output_dir = tmp_path_factory.mktemp("gpt2_full") / "out"
+    overrides = recipe_overrides(
+        demo_assets, output_dir, **{"model.name_or_path": gpt2_base, "train.max_steps": 4, "train.eval_every_steps": 0}
+    )
+    result = launch("fsdp2_shard_grad_op.yaml", overrides, num_processes=1, launch_args=GPT2_WRAP)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return Run(result, output_dir)
 
 
 def per_sample_eval_loss(model, tokenizer, eval_path: Path) -> float:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from conftest import CONFIGS, DEMO_RECIPE, REPO, Run, launch, recipe_overrides
+from conftest import CHECKPOINT_SETTINGS, CONFIGS, DEMO_RECIPE, REPO, Run, launch, recipe_overrides, signal_launch
 from safetensors.torch import load_file
 
 from finetune.checkpoint import MARKER, TrainerState, load_checkpoint, resolve_resume
@@ -18,19 +20,11 @@ from finetune.errors import FinetuneError
 
 pytestmark = pytest.mark.multiprocess
 
-SETTINGS = {
-    "train.max_steps": 8,
-    "train.eval_every_steps": 0,
-    "data.eval_path": "null",
-    "checkpoint.save_every_steps": 2,
-    "checkpoint.keep_last": 2,
-}
+SETTINGS = CHECKPOINT_SETTINGS
 
 
-def run_with(assets, output_dir, processes=2, **extra) -> Run:
-    result = launch(
-        "fsdp2_full_shard.yaml", recipe_overrides(assets, output_dir, **SETTINGS, **extra), num_processes=processes
-    )
+def run_with(assets, output_dir, processes=2, config="fsdp2_full_shard.yaml", **extra) -> Run:
+    result = launch(config, recipe_overrides(assets, output_dir, **{**SETTINGS, **extra}), num_processes=processes)
     assert result.returncode == 0, result.stderr[-4000:]
     return Run(result, output_dir)
 
@@ -49,10 +43,10 @@ def uninterrupted(tmp_path_factory, demo_assets) -> Run:
     return run_with(demo_assets, tmp_path_factory.mktemp("full") / "out")
 
 
-def resume_from_step_6(uninterrupted: Run, tmp_path) -> tuple:
-    """A new output dir holding only the step 6 checkpoint, plus an incomplete step 7 (a save that died)."""
+def resume_from_step_6(run: Run, tmp_path) -> Path:
+    """A new output dir holding only the step 6 checkpoint of `run`, plus an incomplete step 7 (a save that died)."""
     output_dir = tmp_path / "out"
-    shutil.copytree(uninterrupted.output_dir / "checkpoints" / "step_6", output_dir / "checkpoints" / "step_6")
+    shutil.copytree(run.output_dir / "checkpoints" / "step_6", output_dir / "checkpoints" / "step_6")
     (output_dir / "checkpoints" / "step_7").mkdir()
     return output_dir
 
@@ -66,6 +60,11 @@ def test_checkpoints_are_complete_and_pruned(uninterrupted):
         assert list((checkpoint / "pytorch_model_fsdp_0").glob("*.distcp"))
     state = json.loads((root / "step_6" / "trainer_state.json").read_text())
     assert state == {**state, "step": 6, "epoch": 0, "rows_into_epoch": 96, "num_processes": 2}
+    # Security: weights in DCP/safetensors files, the LR schedule in JSON; no pickle that accelerate
+    # would load with weights_only=False (its custom-object checkpoints) is ever written.
+    assert state["scheduler"]["last_epoch"] == 6
+    assert not list((root / "step_6").glob("custom_checkpoint_*"))
+    assert (root / "step_6" / "hf" / "config.json").exists() and (root / "step_6" / "hf" / "tokenizer.json").exists()
 
 
 def test_exact_resume_skips_incomplete_checkpoints(uninterrupted, demo_assets, tmp_path):
@@ -91,16 +90,93 @@ def test_resume_on_one_process(uninterrupted, demo_assets, tmp_path):
     assert max_weight_difference(uninterrupted, resumed) <= 1e-5
 
 
-def test_sigterm_saves_at_the_next_step_and_exits_cleanly(demo_assets, tmp_path):
-    output_dir = tmp_path / "out"
+def test_resume_on_two_processes(one_process_run, uninterrupted, demo_assets, tmp_path):
+    """Saved by 1 process (micro-batch 16), resumed by 2 (micro-batch 8): the same global order continues."""
+    resumed = run_with(demo_assets, resume_from_step_6(one_process_run, tmp_path), **{"checkpoint.resume": "auto"})
+    full, again = losses_by_step(uninterrupted), losses_by_step(resumed)
+    assert losses_by_step(one_process_run)[6] == pytest.approx(full[6], abs=1e-5)
+    for step in (7, 8):
+        assert again[step] == pytest.approx(full[step], abs=1e-5)
+    assert max_weight_difference(uninterrupted, resumed) <= 1e-5
+
+
+def test_full_state_dict_checkpoint_resumes_on_one_process(uninterrupted, demo_assets, tmp_path_factory):
+    """FULL checkpoints (the shard-grad-op config) saved by 2 processes resume on 1."""
+    config = "fsdp2_shard_grad_op.yaml"
+    full = run_with(demo_assets, tmp_path_factory.mktemp("full_sd") / "out", config=config)
+    assert (full.output_dir / "checkpoints" / "step_6" / "pytorch_model_fsdp.bin").is_file()
+    resumed = run_with(
+        demo_assets,
+        resume_from_step_6(full, tmp_path_factory.mktemp("full_sd_resumed")),
+        processes=1,
+        config=config,
+        **{"checkpoint.resume": "auto", "train.micro_batch_size": 16},
+    )
+    before, again = losses_by_step(full), losses_by_step(resumed)
+    for step in (7, 8):
+        assert again[step] == pytest.approx(before[step], abs=1e-5)
+    assert max_weight_difference(full, resumed) <= 1e-5
+    assert max_weight_difference(full, uninterrupted) <= 1e-5  # FULL and SHARDED runs train the same model
+
+
+def start_long_run(assets: Path, output_dir: Path, save_every: int, stdout: int) -> subprocess.Popen:
+    """A 2000-step, 2-process run started in the background, to be signalled by the test."""
     overrides = recipe_overrides(
-        demo_assets, output_dir, **{**SETTINGS, "train.max_steps": 2000, "checkpoint.save_every_steps": 1000}
+        assets, output_dir, **{**SETTINGS, "train.max_steps": 2000, "checkpoint.save_every_steps": save_every}
     )
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "fsdp2_full_shard.yaml"),
         "--num_processes", "2", "--mixed_precision", "no", "-m", "finetune", "train", str(DEMO_RECIPE), *overrides,
     ]  # fmt: skip
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(command, cwd=REPO, stdout=stdout, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_until_dead(pid: int) -> None:
+    """A SIGKILLed process is gone (or a zombie) within moments; it can then write nothing more."""
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            if "State:\tZ" in Path(f"/proc/{pid}/status").read_text():
+                return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} survived SIGKILL")
+
+
+def test_sigkill_during_a_save_keeps_the_previous_checkpoint(demo_assets, tmp_path):
+    """Kill every process with SIGKILL while a checkpoint is being written: the previous one stays
+    complete and is the one `resume=auto` picks; the resumed run then finishes."""
+    output_dir = tmp_path / "out"
+    process = start_long_run(demo_assets, output_dir, save_every=1, stdout=subprocess.DEVNULL)
+    root = output_dir / "checkpoints"
+    deadline = time.time() + 120
+    # Freeze every process the moment a save is in progress (after one completed checkpoint); if the
+    # save is still unfinished once they are stopped, kill them, else let them go on to the next save.
+    while time.time() < deadline:
+        if list(root.glob("step_*/COMPLETE")) and list(root.glob("*.partial")):
+            signal_launch(process.pid, signal.SIGSTOP)
+            if list(root.glob("*.partial")):
+                break
+            signal_launch(process.pid, signal.SIGCONT)
+        time.sleep(0.002)
+    workers = signal_launch(process.pid, signal.SIGKILL)
+    process.wait(timeout=60)
+    assert len(workers) == 2
+    for pid in workers:
+        wait_until_dead(pid)
+    assert list(root.glob("*.partial")), "no save was caught in progress"
+    latest = max(root.glob("step_*/COMPLETE"), key=lambda p: int(p.parent.name.removeprefix("step_"))).parent
+    assert resolve_resume("auto", output_dir) == latest
+    step = int(latest.name.removeprefix("step_"))
+    resumed = run_with(demo_assets, output_dir, **{"checkpoint.resume": "auto", "train.max_steps": step + 2})
+    assert f"resumed from {latest}" in resumed.log
+    assert not list(root.glob("*.partial")) and (output_dir / "final" / "model.safetensors").exists()
+
+
+def test_sigterm_saves_at_the_next_step_and_exits_cleanly(demo_assets, tmp_path):
+    output_dir = tmp_path / "out"
+    process = start_long_run(demo_assets, output_dir, save_every=1000, stdout=subprocess.PIPE)
     metrics = output_dir / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):

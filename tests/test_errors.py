@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -109,3 +110,34 @@ def test_resume_auto_without_a_checkpoint_keeps_earlier_results(tmp_path, demo_a
     assert result.returncode == 2
     assert_user_error(result, "is not empty; choose another output.dir or pass output.overwrite=true")
     assert (output_dir / "metrics.jsonl").read_text() == "{}\n"
+
+
+def test_export_bad_input_names_the_fix_and_writes_nothing(fsdp2_run, tmp_path):
+    checkpoint = fsdp2_run.output_dir / "checkpoints" / "step_16"
+    out = tmp_path / "out"
+    assert_user_error(run_cli("export", str(tmp_path / "missing"), str(out)), "does not exist")
+    (tmp_path / "step_3").mkdir()
+    assert_user_error(run_cli("export", str(tmp_path / "step_3"), str(out)), "is not a complete checkpoint")
+    assert_user_error(run_cli("export", str(tmp_path), str(out)), "is not a complete checkpoint")
+    result = run_cli("export", str(checkpoint), str(out), "--max-shard-size", "5XB")
+    assert_user_error(result, "max shard size '5XB' is not a size; write it like 5GB")
+    result = run_cli("export", str(checkpoint), str(out), "--dtype", "bf61")
+    assert result.returncode == 2 and "invalid choice: 'bf61'" in result.stderr
+    assert_user_error(run_cli("export", str(checkpoint), "/proc/finetune_out"), "pick a folder you can write to")
+    assert not out.exists() and not list(tmp_path.glob("*.partial"))
+
+    existing = tmp_path / "existing"
+    shutil.copytree(fsdp2_run.output_dir / "final", existing)
+    before = {p.name: p.stat().st_mtime_ns for p in existing.iterdir()}
+    assert_user_error(run_cli("export", str(checkpoint), str(existing)), "already holds a model; pass --overwrite")
+    assert {p.name: p.stat().st_mtime_ns for p in existing.iterdir()} == before
+    assert run_cli("export", str(checkpoint), str(existing), "--overwrite").returncode == 0
+
+
+def test_export_of_a_damaged_checkpoint_leaves_no_folder(fsdp2_run, tmp_path):
+    damaged = tmp_path / "step_16"
+    shutil.copytree(fsdp2_run.output_dir / "checkpoints" / "step_16", damaged)
+    (damaged / "pytorch_model_fsdp_0" / "__1_0.distcp").write_bytes(b"")  # rank 1's shard lost
+    out = tmp_path / "out"
+    assert_user_error(run_cli("export", str(damaged), str(out)), "its files are damaged or incomplete")
+    assert not out.exists() and not (tmp_path / "out.partial").exists()

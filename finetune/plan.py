@@ -1,0 +1,270 @@
+"""`finetune plan`: will a recipe fit, per device, under each sharding strategy, before renting GPUs.
+
+Everything comes from the model's config: the model is built on the meta device (no weights, no
+memory) to count parameters exactly and to find the wrap units. Per device, with P parameters,
+N processes sharding them, p the bytes of a stored parameter and c the bytes of the compute dtype:
+
+    parameters        P*p / N                  (DDP: P*p)
+    gradients         P*p / N                  (gradients live in the parameters' dtype)
+    optimizer state   2*P*p / N                (AdamW's two moments)
+    gather buffers    full shard: 2 units*c    (the unit computing and the one prefetched)
+                      shard-grad-op: P*c       (kept unsharded from forward to backward)
+    activations       see `activation_bytes`
+
+With CPU offload, parameters, gradients and optimizer state live in host RAM instead. The
+parameter, gradient and optimizer figures are exactly what `finetune.memory` measures on the local
+tensors (up to FSDP's padding of uneven shards); the activation estimate's error against a measured
+CPU run is stated in the README.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from finetune.config import RecipeConfig
+from finetune.errors import FinetuneError
+from finetune.model import DTYPES
+
+STRATEGIES = ("full_shard", "shard_grad_op", "ddp")
+_MIXED = {"bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory depends on, read from a model config."""
+
+    name: str
+    parameters: int
+    largest_unit: int
+    """Parameters of the largest wrap unit (a decoder layer), all-gathered at once under FSDP."""
+    layers: int
+    hidden: int
+    intermediate: int
+    kv_hidden: int
+    vocab: int
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the accelerate config and the command line say about the hardware."""
+
+    strategy: str
+    num_processes: int
+    num_machines: int
+    mixed_precision: str
+    offload: bool
+    activation_checkpointing: bool
+    cpu_ram_efficient_loading: bool
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per device (GPU) and per host for one strategy."""
+
+    strategy: str
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    gather_buffers: int
+    activations: int
+    activations_checkpointed: int
+    host_at_load: int
+    host_at_export: int
+
+    def device_total(self, checkpointing: bool) -> int:
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer_state
+            + self.gather_buffers
+            + (self.activations_checkpointed if checkpointing else self.activations)
+        )
+
+
+def model_shape(config) -> ModelShape:
+    """Count parameters on the meta device and read the sizes activations depend on."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    text = config.get_text_config()
+    unit_classes = set(getattr(model, "_no_split_modules", None) or [])
+    units = [m for m in model.modules() if type(m).__name__ in unit_classes]
+    largest = max((sum(p.numel() for p in m.parameters()) for m in units), default=0)
+    hidden = text.hidden_size
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    intermediate = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
+    return ModelShape(
+        name=type(model).__name__,
+        parameters=sum(p.numel() for p in model.parameters()),
+        largest_unit=largest,
+        layers=text.num_hidden_layers,
+        hidden=hidden,
+        intermediate=intermediate,
+        kv_hidden=kv_heads * head_dim,
+        vocab=text.vocab_size,
+    )
+
+
+def activation_bytes(shape: ModelShape, tokens: int, compute_bytes: int, checkpointing: bool) -> int:
+    """Bytes saved for backward in one micro-batch of `tokens` tokens (batch x sequence).
+
+    Per token and layer a decoder layer keeps (in the compute dtype) its input, the two norm
+    outputs, q/k/v and their rotary versions, the attention output, and the MLP's gate, up,
+    activation and product: about 7h + 3kv + 4i values, plus the norms' fp32 copies (2h * 4 bytes
+    each) under low-precision compute. Attention is SDPA/flash: no (sequence x sequence) matrix.
+    The head keeps the logits and the fp32 log-softmax of the loss: V*(c + 4) per token.
+    With activation checkpointing each layer keeps only its input, and one layer's activations
+    exist again while it is recomputed in backward.
+    """
+    per_layer = compute_bytes * (7 * shape.hidden + 3 * shape.kv_hidden + 4 * shape.intermediate)
+    if compute_bytes < 4:
+        per_layer += 2 * 2 * shape.hidden * 4
+    head = shape.vocab * (compute_bytes + 4)
+    if checkpointing:
+        return tokens * (shape.layers * shape.hidden * compute_bytes + per_layer + head)
+    return tokens * (shape.layers * per_layer + head)
+
+
+def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: str) -> Estimate:
+    """Per-device bytes of `strategy` for this recipe on this launch."""
+    param_bytes = DTYPES[recipe.model.dtype].itemsize
+    compute_bytes = _MIXED.get(launch.mixed_precision, param_bytes)
+    world = launch.num_processes
+    shards = world if strategy != "ddp" else 1
+    state = shape.parameters * param_bytes
+    parameters, gradients, optimizer = state // shards, state // shards, 2 * state // shards
+    if strategy == "full_shard":
+        gather = 2 * shape.largest_unit * compute_bytes
+    elif strategy == "shard_grad_op":
+        gather = shape.parameters * compute_bytes
+    else:  # DDP keeps full parameters; low-precision compute adds cast copies
+        gather = shape.parameters * compute_bytes if compute_bytes != param_bytes else 0
+    tokens = recipe.train.micro_batch_size * recipe.data.max_length
+    activations = activation_bytes(shape, tokens, compute_bytes, checkpointing=False)
+    checkpointed = activation_bytes(shape, tokens, compute_bytes, checkpointing=True)
+    processes_per_host = max(1, world // launch.num_machines)
+    full_model = shape.parameters * param_bytes
+    # Loading: every process reads the full model, unless rank 0 alone does (cpu_ram_efficient_loading).
+    host_load = full_model if launch.cpu_ram_efficient_loading else full_model * processes_per_host
+    if launch.offload and strategy != "ddp":
+        host_load += (parameters + gradients + optimizer) * processes_per_host
+        parameters = gradients = optimizer = 0
+    # `finetune export` holds about one 5 GB output shard plus a tenth of it being converted.
+    host_export = min(full_model, 5 * 10**9) * 12 // 10
+    return Estimate(
+        strategy, parameters, gradients, optimizer, gather, activations, checkpointed, host_load, host_export
+    )
+
+
+def read_launch(config_path: Path, num_processes: int, num_machines: int) -> Launch:
+    """The parts of an accelerate config file that decide memory."""
+    if not config_path.is_file():
+        raise FinetuneError(f"accelerate config {config_path} does not exist; pass one of accelerate_configs/*.yaml")
+    raw = yaml.safe_load(config_path.read_text()) or {}
+    fsdp = raw.get("fsdp_config") or {}
+    if raw.get("distributed_type") == "FSDP":
+        if str(fsdp.get("fsdp_version", 1)) == "2":
+            strategy = "full_shard" if fsdp.get("fsdp_reshard_after_forward", True) else "shard_grad_op"
+        else:
+            strategy = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).lower()
+            strategy = strategy if strategy in STRATEGIES else "full_shard"
+    else:
+        strategy = "ddp"
+    if num_processes < 1 or num_machines < 1 or num_processes % num_machines:
+        raise FinetuneError(
+            f"--num-processes {num_processes} must be a positive multiple of --num-machines {num_machines}"
+        )
+    return Launch(
+        strategy=strategy,
+        num_processes=num_processes,
+        num_machines=num_machines,
+        mixed_precision=str(raw.get("mixed_precision", "no")),
+        offload=bool(fsdp.get("fsdp_offload_params", False)),
+        activation_checkpointing=bool(fsdp.get("fsdp_activation_checkpointing", False)),
+        cpu_ram_efficient_loading=bool(fsdp.get("fsdp_cpu_ram_efficient_loading", False)),
+    )
+
+
+def parse_memory(text: str) -> int:
+    """'80GB' / '80GiB' / '24 GB' -> bytes (GB = 10^9, GiB = 2^30)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT])(i?)B\s*", text, re.IGNORECASE)
+    if match is None:
+        raise FinetuneError(f"--gpu-memory {text!r} is not a size; write it like 80GB or 24GiB")
+    power = "KMGT".index(match.group(2).upper()) + 1
+    base = 1024 if match.group(3) else 1000
+    return int(float(match.group(1)) * base**power)
+
+
+def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
+    """The report: a table per strategy and a verdict for the configured one."""
+    try:
+        config = AutoConfig.from_pretrained(
+            recipe.model.name_or_path, trust_remote_code=recipe.model.trust_remote_code
+        )
+    except (OSError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise FinetuneError(
+            f"cannot read the config of {recipe.model.name_or_path!r} ({first}); without network, point "
+            "model.name_or_path at a folder with its config.json (recipes/<family>/configs/ ships one per model)"
+        ) from None
+    shape = model_shape(config)
+    estimates = {strategy: estimate(shape, recipe, launch, strategy) for strategy in STRATEGIES}
+    largest = max(e.device_total(False) for e in estimates.values())
+    unit_name, gib = ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
+    lines = [
+        f"{shape.name}: {shape.parameters:,} parameters ({recipe.model.dtype}), largest wrap unit "
+        f"{shape.largest_unit:,}; micro-batch {recipe.train.micro_batch_size} x {recipe.data.max_length} tokens; "
+        f"{launch.num_processes} processes on {launch.num_machines} machine(s); mixed precision "
+        f"{launch.mixed_precision}",
+        f"per device, {unit_name} (device memory {gpu_memory / gib:.1f}):",
+        f"  {'strategy':<15} {'params':>8} {'grads':>8} {'optim':>8} {'gather':>8} {'activ.':>8} {'act.+AC':>8} "
+        f"{'total':>8} {'total+AC':>9}",
+    ]
+    for strategy, e in estimates.items():
+        marker = "*" if strategy == launch.strategy else " "
+        lines.append(
+            f"{marker} {strategy:<15} {e.parameters / gib:>8.2f} {e.gradients / gib:>8.2f} "
+            f"{e.optimizer_state / gib:>8.2f} {e.gather_buffers / gib:>8.2f} {e.activations / gib:>8.2f} "
+            f"{e.activations_checkpointed / gib:>8.2f} {e.device_total(False) / gib:>8.2f} "
+            f"{e.device_total(True) / gib:>9.2f}"
+        )
+    chosen = estimates[launch.strategy]
+    lines.append(
+        f"host RAM per machine: {chosen.host_at_load / gib:.1f} {unit_name} at load"
+        f"{' (rank 0 loads, cpu_ram_efficient_loading)' if launch.cpu_ram_efficient_loading else ''}, "
+        f"{chosen.host_at_export / gib:.1f} {unit_name} at export"
+    )
+    lines.append(f"verdict (* = this config): {verdict(shape, recipe, launch, gpu_memory)}")
+    return "\n".join(lines)
+
+
+def verdict(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
+    """fits / fits with checkpointing or offload / does not fit, for the configured strategy."""
+    checkpointing = launch.activation_checkpointing or recipe.train.activation_checkpointing
+    chosen = estimate(shape, recipe, launch, launch.strategy)
+    need = chosen.device_total(checkpointing)
+    if need <= gpu_memory:
+        return f"fits ({need / 2**30:.1f} of {gpu_memory / 2**30:.1f} GiB)"
+    if not checkpointing and chosen.device_total(True) <= gpu_memory:
+        return "fits with activation checkpointing (fsdp_activation_checkpointing: true)"
+    if launch.strategy != "ddp" and not launch.offload:
+        offloaded = estimate(shape, recipe, _replace_offload(launch), launch.strategy)
+        if offloaded.device_total(True) <= gpu_memory:
+            return "fits with CPU offload and activation checkpointing (accelerate_configs/fsdp2_offload.yaml)"
+    more = math.ceil(need / gpu_memory * launch.num_processes)
+    return (
+        f"does not fit ({need / 2**30:.1f} GiB needed of {gpu_memory / 2**30:.1f}); "
+        f"shard over more devices (about {more}), lower micro_batch_size or max_length"
+    )
+
+
+def _replace_offload(launch: Launch) -> Launch:
+    return Launch(**{**launch.__dict__, "offload": True, "activation_checkpointing": True})
