@@ -15,7 +15,7 @@ NUM_PROCESSES ?= 2
 # The demo is offline by construction; this makes any accidental hub access fail fast.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-.PHONY: help setup demo train-tiny export test lint format clean
+.PHONY: help setup demo train-tiny export plan test lint format clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -47,6 +47,11 @@ train-tiny: $(STAMP) ## train the demo recipe (after `finetune demo build`)
 export: $(STAMP) ## write checkpoint CKPT as a Hugging Face folder OUT (one process, no launcher)
 	@test -n "$(CKPT)" -a -n "$(OUT)" || { echo "make export needs CKPT=<checkpoint or output dir> OUT=<folder>"; exit 2; }
 	$(PY) -m finetune export $(CKPT) $(OUT) $(if $(DTYPE),--dtype $(DTYPE)) --max-shard-size $(or $(MAX_SHARD_SIZE),5GB)
+
+# make plan RECIPE=recipes/demo/tiny_llama.yaml [CONFIG=...] [NUM_PROCESSES=8] [NUM_MACHINES=1] [GPU_MEMORY=80GB]
+plan: $(STAMP) ## memory per device for RECIPE under CONFIG on NUM_PROCESSES devices, and a verdict
+	$(OFFLINE) $(PY) -m finetune plan $(or $(RECIPE),$(DEMO_RECIPE)) --config $(CONFIG) \
+		--num-processes $(NUM_PROCESSES) --num-machines $(or $(NUM_MACHINES),1) --gpu-memory $(or $(GPU_MEMORY),80GB)
 
 test: lint ## lint, then the test suite (CPU only; multi-process tests use 2 processes over gloo)
 	$(OFFLINE) $(PY) -m pytest
