@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from finetune.config import DataConfig
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, first_line
 
 IGNORE = -100
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -58,9 +58,8 @@ def load_split(path: str, split: str) -> datasets.Dataset:
     except FinetuneError:
         raise
     except Exception as exc:  # datasets raises many types for missing files, bad JSON, no network
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise FinetuneError(
-            f"cannot load dataset {path!r} split {split!r}: {first_line}; check data.train_path / data.eval_path"
+            f"cannot load dataset {path!r} split {split!r}: {first_line(exc)}; check data.train_path / data.eval_path"
         ) from None
 
 

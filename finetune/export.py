@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from finetune.checkpoint import MODEL_FILES, find_checkpoint
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, first_line
 
 # Wrapper prefixes that FSDP1, activation checkpointing, torch.compile and DDP add to parameter names.
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -265,9 +265,8 @@ def _read(weights: CheckpointWeights, names: list[str], checkpoint: Path) -> dic
     except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException; others vary
         if isinstance(exc, CheckpointException):  # it wraps the reader's own exception
             exc = next(iter(exc.failures.values()))[0]
-        first_line = (str(exc).strip().splitlines() or [""])[0] or type(exc).__name__
         raise FinetuneError(
-            f"cannot read {names[0]} from checkpoint {checkpoint} ({first_line}); its files are damaged or "
+            f"cannot read {names[0]} from checkpoint {checkpoint} ({first_line(exc)}); its files are damaged or "
             "incomplete: export an earlier checkpoint"
         ) from None
 

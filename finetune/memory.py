@@ -9,7 +9,7 @@ flat-parameter shard under FSDP1, the whole tensor under DDP or a single process
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +50,6 @@ class MemoryReport:
     unsharded_parameters: int = 0
     """Bytes of all the model's parameters, unsharded: what one rank holds without sharding."""
     dtypes: dict[str, str] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class MemoryProbe:

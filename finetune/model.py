@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune.config import ModelConfig
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,7 +30,7 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
         tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as exc:
         raise FinetuneError(
-            f"cannot load a tokenizer from {cfg.name_or_path!r} ({_first_line(exc)}); set model.name_or_path "
+            f"cannot load a tokenizer from {cfg.name_or_path!r} ({first_line(exc)}); set model.name_or_path "
             "to a hub id or a local folder holding the tokenizer files"
         ) from None
     if not tokenizer.is_fast:
@@ -51,7 +51,7 @@ def load_model(cfg: ModelConfig, activation_checkpointing: bool) -> PreTrainedMo
         )
     except (OSError, ValueError) as exc:
         raise FinetuneError(
-            f"cannot load a causal LM from {cfg.name_or_path!r} ({_first_line(exc)}); set model.name_or_path "
+            f"cannot load a causal LM from {cfg.name_or_path!r} ({first_line(exc)}); set model.name_or_path "
             "to a hub id or a local folder with config.json and safetensors weights"
         ) from None
     if activation_checkpointing:
@@ -67,7 +67,3 @@ def save_model_files(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     if model.can_generate() and model.generation_config is not None:
         model.generation_config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-
-
-def _first_line(exc: Exception) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,7 +29,7 @@ import yaml
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from finetune.config import RecipeConfig
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, first_line
 from finetune.model import DTYPES
 
 STRATEGIES = ("full_shard", "shard_grad_op", "ddp")
@@ -210,9 +210,8 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
             recipe.model.name_or_path, trust_remote_code=recipe.model.trust_remote_code
         )
     except (OSError, ValueError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise FinetuneError(
-            f"cannot read the config of {recipe.model.name_or_path!r} ({first}); without network, point "
+            f"cannot read the config of {recipe.model.name_or_path!r} ({first_line(exc)}); without network, point "
             "model.name_or_path at a folder with its config.json (recipes/<family>/configs/ ships one per model)"
         ) from None
     shape = model_shape(config)
@@ -256,7 +255,9 @@ def verdict(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory:
     if not checkpointing and chosen.device_total(True) <= gpu_memory:
         return "fits with activation checkpointing (fsdp_activation_checkpointing: true)"
     if launch.strategy != "ddp" and not launch.offload:
-        offloaded = estimate(shape, recipe, _replace_offload(launch), launch.strategy)
+        offloaded = estimate(
+            shape, recipe, replace(launch, offload=True, activation_checkpointing=True), launch.strategy
+        )
         if offloaded.device_total(True) <= gpu_memory:
             return "fits with CPU offload and activation checkpointing (accelerate_configs/fsdp2_offload.yaml)"
     more = math.ceil(need / gpu_memory * launch.num_processes)
@@ -264,7 +265,3 @@ def verdict(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory:
         f"does not fit ({need / 2**30:.1f} GiB needed of {gpu_memory / 2**30:.1f}); "
         f"shard over more devices (about {more}), lower micro_batch_size or max_length"
     )
-
-
-def _replace_offload(launch: Launch) -> Launch:
-    return Launch(**{**launch.__dict__, "offload": True, "activation_checkpointing": True})
