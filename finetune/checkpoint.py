@@ -2,11 +2,11 @@
 
 A checkpoint is `<output.dir>/checkpoints/step_<N>/`: what `accelerator.save_state` writes (model
 and optimizer as torch.distributed.checkpoint shards or full state dicts, as the accelerate config's
-state-dict type says; scheduler; RNG states), plus `trainer_state.json` (step and data position)
-the resolved recipe, and `hf/` (config, generation config and tokenizer files, so that `finetune
-export` needs nothing but the checkpoint). It is written as `step_<N>.partial/` and renamed when complete, with the
-marker file written last, so a save that dies halfway never looks complete and never replaces the
-previous checkpoint.
+state-dict type says; RNG states), plus `trainer_state.json` (step, data position, LR scheduler
+state), the resolved recipe, and `hf/` (config, generation config and tokenizer files, so that
+`finetune export` needs nothing but the checkpoint). It is written as `step_<N>.partial/` and
+renamed when complete, with the marker file written last, so a save that dies halfway never looks
+complete and never replaces the previous checkpoint.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def find_checkpoint(path: Path) -> Path:
     """`path` if it is a complete checkpoint, or the latest complete checkpoint of a run's output dir."""
     if (path / MARKER).is_file():
         return path
-    if (checkpoints_root(path)).is_dir():
+    if checkpoints_root(path).is_dir():
         found = complete_checkpoints(checkpoints_root(path))
         if found:
             return found[-1]

@@ -26,7 +26,8 @@ from accelerate.utils import DataLoaderConfiguration, DistributedType, FullyShar
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy
 
 from finetune.errors import FinetuneError
-from finetune.wrap import fsdp_units
+from finetune.memory import dtype_name
+from finetune.wrap import fsdp_units, local_tensor
 
 
 def launched_world_size() -> int:
@@ -144,20 +145,20 @@ def precision_policy(accelerator: Accelerator, requested: torch.dtype, stored: t
     """Which dtype each kind of tensor has in this run: `stored` is the prepared model's real parameter
     dtype, which differs from the recipe's `requested` one where accelerate upcast it."""
     compute = _COMPUTE_DTYPES.get(accelerator.mixed_precision)
-    stored_name = str(stored).removeprefix("torch.")
+    stored_name = dtype_name(stored)
     if compute is None:
         line = f"precision: {stored_name} throughout (parameters, gradients, optimizer state, compute, reduction)"
     elif stored == torch.float32:
         line = (
             f"precision: {accelerator.mixed_precision} mixed; parameters, gradients and optimizer state in float32, "
-            f"compute in {str(compute).removeprefix('torch.')}, gradients reduced in float32"
+            f"compute in {dtype_name(compute)}, gradients reduced in float32"
         )
     else:
         mixed = accelerator.mixed_precision
         line = f"precision: {stored_name} parameters, gradients and optimizer state, {mixed} compute"
     if stored != requested:
         line += (
-            f" (model.dtype {str(requested).removeprefix('torch.')} was upcast by accelerate, which keeps float32 "
+            f" (model.dtype {dtype_name(requested)} was upcast by accelerate, which keeps float32 "
             "master parameters under FSDP2 mixed precision; for pure bf16 set mixed_precision: no)"
         )
     return line
@@ -310,10 +311,7 @@ def shard_report(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, 
 
 def local_params_fingerprint(model: torch.nn.Module) -> str:
     """A hash of the parameter values this rank holds; equal across DDP ranks iff they stayed in sync."""
-    from torch.distributed.tensor import DTensor
-
     digest = hashlib.sha256()
     for param in model.parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
-        digest.update(local.detach().float().cpu().numpy().tobytes())
+        digest.update(local_tensor(param).detach().float().cpu().numpy().tobytes())
     return digest.hexdigest()

@@ -143,7 +143,7 @@ class _TorchFileWeights(CheckpointWeights):
         )
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        return {name: self.tensors[name].clone() for name in names}
+        return {name: self.tensors[name] for name in names}  # pages are read when converted or written
 
 
 class _SafetensorsWeights(CheckpointWeights):

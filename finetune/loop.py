@@ -13,7 +13,6 @@ import itertools
 import json
 import logging
 import math
-import resource
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -147,7 +146,7 @@ def train(recipe: RecipeConfig) -> TrainResult:
     finally:
         metrics.close()  # ends the progress bar, so that an error message starts on its own line
     final = checkpoints_root(output_dir) / f"step_{max_steps}"
-    return TrainResult(output_dir, final if (recipe.checkpoint.save_every_steps or recipe.output.export) else None)
+    return TrainResult(output_dir, final if _saves_last_step(recipe) else None)
 
 
 def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[str, int]:
@@ -159,7 +158,7 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
     recipe, accelerator = run.recipe, run.accelerator
     accumulation = recipe.train.gradient_accumulation_steps
     save_every = recipe.checkpoint.save_every_steps
-    save_last = bool(save_every or recipe.output.export)  # the export reads the last step's checkpoint
+    save_last = _saves_last_step(recipe)
     rows_per_micro_batch = recipe.train.micro_batch_size * accelerator.num_processes
     # A fingerprint of the token ids this rank trained on, accumulated on the device without syncing.
     data_fingerprint = torch.zeros((), dtype=torch.int64, device=accelerator.device)
@@ -299,6 +298,11 @@ def _accumulation_windows(
             yield epoch, consumed * rows_per_micro_batch, window
 
 
+def _saves_last_step(recipe: RecipeConfig) -> bool:
+    """The last step is checkpointed when checkpointing is on, and always for the export, which reads it."""
+    return bool(recipe.checkpoint.save_every_steps or recipe.output.export)
+
+
 def _max_steps(recipe: RecipeConfig, train_loader: DataLoader) -> int:
     steps_per_epoch = len(train_loader) // recipe.train.gradient_accumulation_steps
     if steps_per_epoch == 0:
@@ -375,8 +379,6 @@ def _write_rank_report(
         steps=max_steps,
         data_fingerprint=data_fingerprint,
         params_fingerprint=local_params_fingerprint(model),
-        # The process's peak resident memory (Linux reports KiB): on CPU runs, where the model lives.
-        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     )
     ranks_dir = output_dir / "ranks"
     ranks_dir.mkdir(parents=True, exist_ok=True)

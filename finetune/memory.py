@@ -17,9 +17,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch.distributed.fsdp import FullyShardedDataParallel
-from torch.distributed.tensor import DTensor
 
-from finetune.wrap import fsdp_units
+from finetune.wrap import fsdp_units, local_tensor
 
 FIELDS = (
     "parameters",
@@ -69,7 +68,7 @@ class MemoryProbe:
         self.report.parameters_after_forward = max(self.report.parameters_after_forward, held)
 
     def _record_compute_dtype(self, module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
-        self.report.dtypes["compute"] = _name(output.dtype)
+        self.report.dtypes["compute"] = dtype_name(output.dtype)
 
     def counting_activations(self) -> torch.autograd.graph.saved_tensors_hooks:
         """Context around one micro-batch's forward: sum the distinct storages saved for backward."""
@@ -101,10 +100,10 @@ class MemoryProbe:
         report.unsharded_parameters = _unsharded_bytes(self.model, params)
         report.step_peak = max(0, _peak(self.accelerator.device) - self.before)
         report.dtypes.update(
-            parameters=_name(_local(params[0]).dtype),
-            gradients=_name(next(_local(p.grad).dtype for p in params if p.grad is not None)),
-            optimizer_state=_name(next(t.dtype for t in states if t.dim() > 0)),
-            gradient_reduction=_name(_reduce_dtype(self.accelerator, params[0])),
+            parameters=dtype_name(local_tensor(params[0]).dtype),
+            gradients=dtype_name(next(local_tensor(p.grad).dtype for p in params if p.grad is not None)),
+            optimizer_state=dtype_name(next(t.dtype for t in states if t.dim() > 0)),
+            gradient_reduction=dtype_name(_reduce_dtype(self.accelerator, params[0])),
         )
 
 
@@ -173,19 +172,15 @@ def _proc_status(field: str) -> int:
     return 0
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _local_bytes(tensor: torch.Tensor) -> int:
-    local = _local(tensor)
+    local = local_tensor(tensor)
     return local.numel() * local.element_size()
 
 
 def _unsharded_bytes(model: torch.nn.Module, params: list[torch.Tensor]) -> int:
     """Full-model parameter bytes; FSDP1's sharded parameters are views that lost their full size,
     so there the wrap plan's global counts are used."""
-    element_size = _local(params[0]).element_size()
+    element_size = local_tensor(params[0]).element_size()
     if isinstance(model, FullyShardedDataParallel):
         return sum(unit.numel_global for unit in fsdp_units(model)) * element_size
     return sum(p.numel() for p in params) * element_size  # DTensor.numel() is the global count
@@ -199,8 +194,9 @@ def _reduce_dtype(accelerator: Accelerator, param: torch.Tensor) -> torch.dtype:
         reduce_dtype = getattr(policy, "reduce_dtype", None)
         if reduce_dtype is not None:
             return reduce_dtype
-    return _local(param).dtype
+    return local_tensor(param).dtype
 
 
-def _name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` -> `bfloat16`."""
     return str(dtype).removeprefix("torch.")

@@ -103,7 +103,9 @@ def fsdp_units(model: torch.nn.Module) -> list[Unit]:
         # Tied weights appear under two modules; count each parameter once, in the first unit.
         own = [p for p in _managed_params(owner) if id(p) not in seen]
         seen.update(id(p) for p in own)
-        units.append(Unit(_base_class_name(owner), sum(p.numel() for p in own), sum(_local(p).numel() for p in own)))
+        units.append(
+            Unit(_base_class_name(owner), sum(p.numel() for p in own), sum(local_tensor(p).numel() for p in own))
+        )
     return units
 
 
@@ -116,8 +118,9 @@ def _managed_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return params
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of `tensor` this rank holds: the local shard of a DTensor, else the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _base_class_name(module: torch.nn.Module) -> str:
