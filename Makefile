@@ -10,15 +10,21 @@ STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 
 DEMO_DIR := outputs/demo
 DEMO_RECIPE := recipes/demo/tiny_llama.yaml
+# Launch settings; every train-* target has its own defaults and takes these as overrides.
 CONFIG ?= accelerate_configs/fsdp2_full_shard.yaml
 NUM_PROCESSES ?= 2
+NUM_MACHINES ?= 1
+MACHINE_RANK ?= 0
+MAIN_PROCESS_IP ?=
+MAIN_PROCESS_PORT ?= 29500
 # The demo is offline by construction; this makes any accidental hub access fail fast.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-.PHONY: help setup demo train-tiny export plan test lint format clean
+TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b train-70b train-qwen-7b train-mistral-7b
+.PHONY: help setup demo train-tiny train $(TRAIN_TARGETS) check export plan test lint format clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
 
 setup: $(STAMP) ## create .venv with finetune and its dependencies
 
@@ -43,6 +49,65 @@ train-tiny: $(STAMP) ## train the demo recipe (after `finetune demo build`)
 	$(OFFLINE) $(ACCELERATE) launch --config_file $(CONFIG) --num_processes $(NUM_PROCESSES) --mixed_precision no \
 		-m finetune train $(DEMO_RECIPE)
 
+# One target per recipe: its recipe, FSDP wrap class, accelerate config and process count.
+# Multi-node: run the same target on every machine with NUM_MACHINES, MACHINE_RANK and MAIN_PROCESS_IP
+# (accelerate_configs/slurm_multi_node.sbatch does this under SLURM). Recipe overrides: ARGS="optim.lr=1e-5";
+# MIXED_PRECISION=no|bf16|fp16 overrides the accelerate config's.
+train-gpt2: ## GPT-2 small, TL;DR, 2 GPUs (recipes/gpt2/gpt2-small.yaml)
+train-gpt2: RECIPE = recipes/gpt2/gpt2-small.yaml
+train-gpt2: WRAP = GPT2Block
+train-gpt2-medium: ## GPT-2 medium, TL;DR, 4 GPUs
+train-gpt2-medium: RECIPE = recipes/gpt2/gpt2-medium.yaml
+train-gpt2-medium: WRAP = GPT2Block
+train-gpt2-medium: NUM_PROCESSES = 4
+train-gpt2-xl: ## GPT-2 XL, TL;DR, 8 GPUs, single-node preset
+train-gpt2-xl: RECIPE = recipes/gpt2/gpt2-xl.yaml
+train-gpt2-xl: WRAP = GPT2Block
+train-gpt2-xl: CONFIG = accelerate_configs/single_node.yaml
+train-gpt2-xl: NUM_PROCESSES = 8
+train-1b: ## Llama-3.2-1B-Instruct, No Robots, 8 GPUs, single-node preset
+train-1b: RECIPE = recipes/llama/llama-3.2-1b.yaml
+train-1b: CONFIG = accelerate_configs/single_node.yaml
+train-1b: NUM_PROCESSES = 8
+train-8b: ## Llama-3.1-8B-Instruct, UltraChat, 8 GPUs, single-node preset
+train-8b: RECIPE = recipes/llama/llama-3.1-8b.yaml
+train-8b: CONFIG = accelerate_configs/single_node.yaml
+train-8b: NUM_PROCESSES = 8
+train-70b: ## Llama-3.1-70B-Instruct, UltraChat, 2 nodes x 8 GPUs, multi-node preset
+train-70b: RECIPE = recipes/llama/llama-3.1-70b.yaml
+train-70b: CONFIG = accelerate_configs/multi_node.yaml
+train-70b: NUM_PROCESSES = 16
+train-70b: NUM_MACHINES = 2
+train-qwen-7b: ## Qwen2.5-7B-Instruct, UltraChat, 8 GPUs, single-node preset
+train-qwen-7b: RECIPE = recipes/qwen/qwen2.5-7b.yaml
+train-qwen-7b: WRAP = Qwen2DecoderLayer
+train-qwen-7b: CONFIG = accelerate_configs/single_node.yaml
+train-qwen-7b: NUM_PROCESSES = 8
+train-mistral-7b: ## Mistral-7B-Instruct-v0.3, UltraChat, 8 GPUs, single-node preset
+train-mistral-7b: RECIPE = recipes/mistral/mistral-7b.yaml
+train-mistral-7b: WRAP = MistralDecoderLayer
+train-mistral-7b: CONFIG = accelerate_configs/single_node.yaml
+train-mistral-7b: NUM_PROCESSES = 8
+
+LAUNCH_CHECK = --config $(CONFIG) --num-processes $(NUM_PROCESSES) --num-machines $(NUM_MACHINES) \
+	--machine-rank $(MACHINE_RANK) $(if $(MAIN_PROCESS_IP),--main-process-ip $(MAIN_PROCESS_IP)) $(if $(WRAP),--wrap $(WRAP))
+LAUNCH = --config_file $(CONFIG) --num_processes $(NUM_PROCESSES) --num_machines $(NUM_MACHINES) \
+	--machine_rank $(MACHINE_RANK) $(if $(MAIN_PROCESS_IP),--main_process_ip $(MAIN_PROCESS_IP)) \
+	--main_process_port $(MAIN_PROCESS_PORT) $(if $(WRAP),--fsdp_transformer_layer_cls_to_wrap $(WRAP)) \
+	$(if $(MIXED_PRECISION),--mixed_precision $(MIXED_PRECISION))
+
+# `finetune check` first: a launch that cannot work (sizes, rank-0 address, architecture, wrap
+# class) stops here in seconds instead of hanging at the rendezvous on some machine.
+train: ## train RECIPE=<yaml> [WRAP=<layer class>] with CONFIG on NUM_PROCESSES (the targets above, any recipe)
+train $(TRAIN_TARGETS): $(STAMP)
+	@test -n "$(RECIPE)" || { echo "make train needs RECIPE=recipes/<family>/<model>.yaml"; exit 2; }
+	HF_HUB_OFFLINE=1 $(PY) -m finetune check $(RECIPE) $(ARGS) $(LAUNCH_CHECK)
+	$(ACCELERATE) launch $(LAUNCH) -m finetune train $(RECIPE) $(ARGS)
+
+# make check RECIPE=recipes/llama/llama-3.1-8b.yaml CONFIG=accelerate_configs/single_node.yaml NUM_PROCESSES=8
+check: $(STAMP) ## validate RECIPE with CONFIG and the launch sizes, offline, without starting anything
+	$(OFFLINE) $(PY) -m finetune check $(or $(RECIPE),$(DEMO_RECIPE)) $(LAUNCH_CHECK)
+
 # make export CKPT=outputs/demo/run/checkpoints/step_300 OUT=exported [DTYPE=bf16] [MAX_SHARD_SIZE=5GB]
 export: $(STAMP) ## write checkpoint CKPT as a Hugging Face folder OUT (one process, no launcher)
 	@test -n "$(CKPT)" -a -n "$(OUT)" || { echo "make export needs CKPT=<checkpoint or output dir> OUT=<folder>"; exit 2; }
@@ -51,7 +116,7 @@ export: $(STAMP) ## write checkpoint CKPT as a Hugging Face folder OUT (one proc
 # make plan RECIPE=recipes/demo/tiny_llama.yaml [CONFIG=...] [NUM_PROCESSES=8] [NUM_MACHINES=1] [GPU_MEMORY=80GB]
 plan: $(STAMP) ## memory per device for RECIPE under CONFIG on NUM_PROCESSES devices, and a verdict
 	$(OFFLINE) $(PY) -m finetune plan $(or $(RECIPE),$(DEMO_RECIPE)) --config $(CONFIG) \
-		--num-processes $(NUM_PROCESSES) --num-machines $(or $(NUM_MACHINES),1) --gpu-memory $(or $(GPU_MEMORY),80GB)
+		--num-processes $(NUM_PROCESSES) --num-machines $(NUM_MACHINES) --gpu-memory $(or $(GPU_MEMORY),80GB)
 
 test: lint ## lint, then the test suite (CPU only; multi-process tests use 2 processes over gloo)
 	$(OFFLINE) $(PY) -m pytest

@@ -1,4 +1,4 @@
-"""Command line: `python -m finetune train|export|plan|demo ...`.
+"""Command line: `python -m finetune train|export|plan|check|demo ...`.
 
 Launch training through accelerate so that the accelerate config picks the hardware and sharding:
     accelerate launch --config_file accelerate_configs/fsdp2_full_shard.yaml \
@@ -26,13 +26,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             _train(args.recipe, args.overrides)
-        elif args.command == "plan":
+        elif args.command in ("plan", "check"):
             from finetune.config import load_recipe
-            from finetune.plan import parse_memory, plan, read_launch
+            from finetune.launch import read_launch
+            from finetune.plan import check, parse_memory, plan
 
             recipe = load_recipe(args.recipe, args.overrides)
-            launch = read_launch(Path(args.config), args.num_processes, args.num_machines)
-            print(plan(recipe, launch, parse_memory(args.gpu_memory)))
+            launch = read_launch(
+                Path(args.config), args.num_processes, args.num_machines, machine_rank=args.machine_rank,
+                main_process_ip=args.main_process_ip, wrap_classes=args.wrap, for_launch=args.command == "check",
+            )  # fmt: skip
+            report = plan if args.command == "plan" else check
+            print(report(recipe, launch, parse_memory(args.gpu_memory)))
         elif args.command == "export":
             from finetune.export import export_checkpoint
             from finetune.model import DTYPES
@@ -93,12 +98,19 @@ def _parser() -> argparse.ArgumentParser:
     plan_parser = commands.add_parser(
         "plan", help="estimate memory per device for a recipe and an accelerate config (no GPU, no weights)"
     )
-    plan_parser.add_argument("recipe", help="recipe YAML")
-    plan_parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.micro_batch_size=2")
-    plan_parser.add_argument("--config", required=True, help="accelerate config, e.g. accelerate_configs/X.yaml")
-    plan_parser.add_argument("--num-processes", type=int, required=True, help="processes (GPUs) in all")
-    plan_parser.add_argument("--num-machines", type=int, default=1, help="machines (nodes)")
-    plan_parser.add_argument("--gpu-memory", default="80GB", help="memory of one device, e.g. 80GB, 24GiB")
+    check_parser = commands.add_parser(
+        "check", help="validate a recipe and a launch before starting it: sizes, model architecture, wrap classes"
+    )
+    for sub in (plan_parser, check_parser):
+        sub.add_argument("recipe", help="recipe YAML")
+        sub.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.micro_batch_size=2")
+        sub.add_argument("--config", required=True, help="accelerate config, e.g. accelerate_configs/X.yaml")
+        sub.add_argument("--num-processes", type=int, help="processes (GPUs) in all (default: the config's)")
+        sub.add_argument("--num-machines", type=int, help="machines (nodes) (default: the config's)")
+        sub.add_argument("--machine-rank", type=int, help="this machine's rank, 0..num-machines-1")
+        sub.add_argument("--main-process-ip", help="address of the machine of rank 0 (multi-node)")
+        sub.add_argument("--wrap", help="fsdp_transformer_layer_cls_to_wrap, overriding the config's")
+        sub.add_argument("--gpu-memory", default="80GB", help="memory of one device, e.g. 80GB, 24GiB")
     demo_parser = commands.add_parser("demo", help="the offline demo: build its base model and data, or report")
     demo_parser.add_argument("action", choices=["build", "report"])
     demo_parser.add_argument("--dir", default="outputs/demo", help="demo working folder (base model and data)")

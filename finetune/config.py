@@ -30,6 +30,10 @@ class ModelConfig:
     name_or_path: str
     """Hub id or local folder of a causal LM and its tokenizer."""
 
+    config_file: str | None = None
+    """The model's config.json, shipped with the recipe (recipes/<family>/configs/): `finetune plan` and
+    `finetune check` build the model from it on the meta device, offline. Training loads `name_or_path`."""
+
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the stored (master) parameters and optimizer state. Keep float32 and set
     `mixed_precision: bf16` in the accelerate config for bf16 compute; bfloat16 here trains in pure bf16."""

@@ -21,11 +21,12 @@ from typing import Any
 
 import accelerate
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator, ParallelismConfig, PartialState
 from accelerate.utils import DataLoaderConfiguration, DistributedType, FullyShardedDataParallelPlugin
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy
 
 from finetune.errors import FinetuneError
+from finetune.launch import check_hybrid_shard_group
 from finetune.memory import dtype_name
 from finetune.wrap import fsdp_units, local_tensor
 
@@ -45,6 +46,11 @@ def fsdp_requested() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
+def rank_zero_loading() -> bool:
+    """True when the accelerate config asks that rank 0 alone read the weights (cpu_ram_efficient_loading)."""
+    return fsdp_requested() and os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true"
+
+
 def build_accelerator(
     *, trackers: list[str], project_dir: str, recipe_activation_checkpointing: bool, param_dtype: torch.dtype
 ) -> Accelerator:
@@ -52,8 +58,13 @@ def build_accelerator(
     _check_launch_environment(recipe_activation_checkpointing)
     on_cpu = not has_accelerator()
     plugin = _fsdp_plugin(on_cpu, param_dtype) if fsdp_requested() else None
+    hybrid = hybrid_sizes()
     if on_cpu and plugin is not None and "LOCAL_RANK" not in os.environ:
         _single_process_group_env()
+    if on_cpu and hybrid is not None:
+        # accelerate validates a parallelism config against MULTI_CPU and refuses it; the mesh is
+        # attached below, once the adapter has switched the state to FSDP.
+        del os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"]
     accelerator = Accelerator(
         cpu=on_cpu,
         fsdp_plugin=plugin,
@@ -64,6 +75,11 @@ def build_accelerator(
     )
     if on_cpu and plugin is not None:
         _enable_fsdp_on_cpu(accelerator, plugin)
+        if hybrid is not None:
+            replicas, shard_group = hybrid
+            config = ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=shard_group)
+            accelerator.state.parallelism_config = config
+            accelerator.state.device_mesh = config.get_device_mesh("cpu")
     if accelerator.num_processes != launched_world_size():
         raise FinetuneError(
             f"the launcher started {launched_world_size()} processes but this one joined a group of "
@@ -71,6 +87,38 @@ def build_accelerator(
             "`accelerate launch --config_file accelerate_configs/<config>.yaml -m finetune train <recipe>`"
         )
     return accelerator
+
+
+def hybrid_sizes() -> tuple[int, int] | None:
+    """(replicas, processes per shard group) of an FSDP2 hybrid-sharding launch, or None.
+
+    Hybrid sharding comes from accelerate's parallelism config. A config that gives only
+    `dp_shard_size` (the GPUs of one machine) replicates over however many machines are launched,
+    so one config file serves any node count.
+    """
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return None
+    world = launched_world_size()
+    sizes = {
+        name: int(os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1"))
+        for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+    }
+    if sizes["tp"] * sizes["cp"] * sizes["sp"] != 1:
+        raise FinetuneError(
+            "finetune trains with data parallelism only; set parallelism_config_tp_size, _cp_size and _sp_size to 1"
+        )
+    shard, replicate = sizes["dp_shard"], sizes["dp_replicate"]
+    if replicate == 1 and shard > 0 and world % shard == 0:
+        replicate = world // shard
+    if shard < 2 or world % shard or replicate * shard != world:
+        raise FinetuneError(
+            f"hybrid sharding with shard groups of dp_shard_size={shard} and dp_replicate_size={replicate} replicas "
+            f"does not tile the {world} launched processes ({replicate} x {shard} = {replicate * shard}); "
+            "set parallelism_config_dp_shard_size to the processes per machine (at least 2, dividing the process "
+            "count) and leave dp_replicate_size out"
+        )
+    os.environ["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"] = str(replicate)
+    return replicate, shard
 
 
 def _single_process_group_env() -> None:
@@ -113,6 +161,8 @@ def _fsdp_plugin(on_cpu: bool, param_dtype: torch.dtype) -> FullyShardedDataPara
     with it off and broadcast rank 0's weights ourselves (`broadcast_module_states`).
     """
     fsdp_version = int(os.environ.get("FSDP_VERSION", "1"))
+    if fsdp_version == 1:
+        _check_fsdp1_launch(on_cpu)
     options: dict[str, Any] = {}
     policy = _mixed_precision_policy(fsdp_version, os.environ.get("ACCELERATE_MIXED_PRECISION", "no"), param_dtype)
     if policy is not None:
@@ -120,6 +170,35 @@ def _fsdp_plugin(on_cpu: bool, param_dtype: torch.dtype) -> FullyShardedDataPara
     if on_cpu and fsdp_version == 1:
         options["sync_module_states"] = False
     return FullyShardedDataParallelPlugin(**options)
+
+
+def _check_fsdp1_launch(on_cpu: bool) -> None:
+    """FSDP1 settings that would fail deep inside torch, or worse, train wrongly without a word."""
+    if os.environ.get("FSDP_SHARDING_STRATEGY", "").upper() in ("HYBRID_SHARD", "4"):
+        # FSDP1 shards over the devices torch counts on one machine and replicates across machines.
+        # A shard group of one process is clamped to NO_SHARD *within that group*: gradients are then
+        # never reduced across machines and the replicas silently train apart.
+        devices = None if on_cpu else torch.accelerator.device_count()
+        world = launched_world_size()
+        if (devices or 1) == 1 and world > 1:
+            where = "a CPU process" if on_cpu else "1 device per machine"
+            raise FinetuneError(
+                f"hybrid sharding (HYBRID_SHARD) would use shard groups of 1 process ({where}) and {world} "
+                "replicas: torch's FSDP1 turns a 1-process shard group into NO_SHARD and "
+                "never reduces gradients across replicas, so they would train apart. Use "
+                "accelerate_configs/fsdp2_full_shard.yaml (or ddp.yaml) when each machine has one device"
+            )
+        check_hybrid_shard_group(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), devices)
+    if on_cpu and os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
+        raise FinetuneError(
+            "FSDP1 CPU offload pins host memory, which needs a GPU; on a CPU-only machine use an FSDP2 config "
+            "(accelerate_configs/fsdp2_offload.yaml) or pass --fsdp_offload_params false"
+        )
+    if on_cpu and os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true":
+        raise FinetuneError(
+            "FSDP1 rank-0 loading (cpu_ram_efficient_loading) broadcasts the weights with sync_module_states, which "
+            "needs a GPU; on a CPU-only machine use an FSDP2 config or pass --fsdp_cpu_ram_efficient_loading false"
+        )
 
 
 _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -275,6 +354,9 @@ def strategy_name(accelerator: Accelerator) -> str:
     plugin = accelerator.state.fsdp_plugin
     if plugin.fsdp_version == 2:
         detail = f"reshard_after_forward={plugin.reshard_after_forward}"
+        mesh = accelerator.parallelism_config
+        if mesh is not None and mesh.dp_replicate_enabled:
+            detail = f"hybrid: {mesh.dp_replicate_size} replicas x {mesh.dp_shard_size}-process shard groups, {detail}"
     else:
         detail = f"sharding_strategy={plugin.sharding_strategy.name}"
     offload = ", CPU offload" if _offloads(plugin) else ""

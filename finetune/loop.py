@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import math
+import secrets
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -42,6 +43,7 @@ from finetune.distributed import (
     build_accelerator,
     local_params_fingerprint,
     precision_policy,
+    rank_zero_loading,
     shard_report,
     strategy_name,
 )
@@ -49,7 +51,7 @@ from finetune.errors import FinetuneError
 from finetune.evaluate import evaluate, token_losses
 from finetune.memory import MemoryProbe, format_reports, gather_reports, memory_metrics
 from finetune.metrics import MetricsLogger
-from finetune.model import DTYPES, load_model, load_tokenizer, save_model_files
+from finetune.model import DTYPES, check_tied_weights, load_model, load_tokenizer, save_model_files
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.wrap import format_wrap_plan, fsdp_units, validate_wrap_policy
 
@@ -106,7 +108,10 @@ def train(recipe: RecipeConfig) -> TrainResult:
     set_seed(recipe.train.seed)
 
     tokenizer = load_tokenizer(recipe.model)
-    model = load_model(recipe.model, recipe.train.activation_checkpointing)
+    # Under rank-0 loading (cpu_ram_efficient_loading) only rank 0 reads the weights; the others
+    # start on the meta device and receive them from rank 0 while the model is sharded.
+    started_on_meta = rank_zero_loading() and not accelerator.is_main_process
+    model = load_model(recipe.model, recipe.train.activation_checkpointing, read_weights=not started_on_meta)
     data = build_data(
         recipe.data, tokenizer, accelerator, seed=recipe.train.seed, micro_batch_size=recipe.train.micro_batch_size
     )
@@ -116,7 +121,12 @@ def train(recipe: RecipeConfig) -> TrainResult:
     broadcast_module_states(accelerator, model)
     optimizer = build_optimizer(model.parameters(), recipe.optim)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, data.train_loader)
+    if started_on_meta:
+        # accelerate hands the optimizer its sharded parameters by matching storage addresses, which
+        # parameters on the meta device do not have (all are 0): rebind them in model order instead.
+        optimizer.optimizer.param_groups[0]["params"] = [p for p in model.parameters() if p.requires_grad]
     eval_loader = accelerator.prepare(data.eval_loader) if data.eval_loader is not None else None
+    check_tied_weights(accelerator.unwrap_model(model))
     max_steps = _max_steps(recipe, train_loader)
     scheduler = build_scheduler(optimizer.optimizer, recipe.optim, max_steps)
     write_model_files = functools.partial(save_model_files, accelerator.unwrap_model(model), tokenizer)
@@ -140,7 +150,7 @@ def train(recipe: RecipeConfig) -> TrainResult:
         if preempted:
             accelerator.print(f"preempted: checkpoint saved at step {preempted}; resume with checkpoint.resume=auto")
             return TrainResult(output_dir, None)
-        _write_rank_report(accelerator, model, output_dir, seen, max_steps)
+        _write_rank_report(accelerator, model, output_dir, seen, max_steps, started_on_meta)
         if recipe.output.export:
             save_final_logits(run, output_dir / FINAL_LOGITS)
     finally:
@@ -338,7 +348,28 @@ def _claim_output_dir(output_dir: Path, accelerator: Accelerator, resumed_step: 
             kept = [line for line in metrics_file.read_text().splitlines() if json.loads(line)["step"] <= resumed_step]
             metrics_file.write_text("".join(line + "\n" for line in kept))
         shutil.rmtree(output_dir / "ranks", ignore_errors=True)
-    accelerator.wait_for_everyone()
+    _check_shared_output_dir(output_dir, accelerator)
+
+
+def _check_shared_output_dir(output_dir: Path, accelerator: Accelerator) -> None:
+    """Every rank must see the same output dir: a checkpoint is written by all ranks together, and a
+    machine writing its shards to a local disk would leave checkpoints that no one can resume or export."""
+    marker = output_dir / ".shared-check"
+    token = [secrets.token_hex(8) if accelerator.is_main_process else None]
+    if accelerator.is_main_process:
+        marker.write_text(token[0])
+    broadcast_object_list(token)  # also the barrier after rank 0 wrote the marker
+    sees = marker.is_file() and marker.read_text() == token[0]
+    blind = accelerator.gather(torch.tensor([0 if sees else 1], device=accelerator.device))
+    if accelerator.is_main_process:
+        marker.unlink()
+    if blind.any():
+        ranks = ", ".join(str(rank) for rank in blind.nonzero().flatten().tolist())
+        raise FinetuneError(
+            f"output.dir {output_dir} is not the same folder on every machine: rank(s) {ranks} cannot see what rank 0 "
+            "wrote there. Put output.dir on a filesystem that all machines share (NFS, Lustre, ...), so that every "
+            "checkpoint holds the shards of all ranks"
+        )
 
 
 def _log_setup(
@@ -371,7 +402,12 @@ def _log_setup(
 
 
 def _write_rank_report(
-    accelerator: Accelerator, model: torch.nn.Module, output_dir: Path, data_fingerprint: str, max_steps: int
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    output_dir: Path,
+    data_fingerprint: str,
+    max_steps: int,
+    started_on_meta: bool,
 ) -> None:
     """Per-rank facts for debugging a distributed run: what this rank holds and what data it saw."""
     report = shard_report(accelerator, model)
@@ -379,6 +415,7 @@ def _write_rank_report(
         steps=max_steps,
         data_fingerprint=data_fingerprint,
         params_fingerprint=local_params_fingerprint(model),
+        started_on_meta_device=started_on_meta,
     )
     ranks_dir = output_dir / "ranks"
     ranks_dir.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from accelerate import init_empty_weights
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from finetune.config import ModelConfig
 from finetune.errors import FinetuneError, first_line
@@ -40,15 +48,47 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(cfg: ModelConfig, activation_checkpointing: bool) -> PreTrainedModel:
-    """The model in the recipe's parameter dtype, never in the checkpoint's dtype by accident."""
+def load_model_config(cfg: ModelConfig) -> PretrainedConfig:
+    """The architecture a recipe trains: from its shipped `config_file`, else from `name_or_path`."""
+    source = cfg.config_file or cfg.name_or_path
+    if cfg.config_file is not None and not Path(cfg.config_file).is_file():
+        raise FinetuneError(f"model.config_file {cfg.config_file} does not exist; point it at a config.json")
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.name_or_path,
-            dtype=DTYPES[cfg.dtype],
-            attn_implementation=cfg.attn_implementation,
-            trust_remote_code=cfg.trust_remote_code,
-        )
+        return AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise FinetuneError(
+            f"the architecture of {cfg.name_or_path!r} is not available offline ({first_line(exc)}); save its "
+            "config.json under recipes/<family>/configs/ and set model.config_file to it, or point "
+            "model.name_or_path at a local model folder"
+        ) from None
+
+
+def meta_model(config: PretrainedConfig) -> PreTrainedModel:
+    """The model `config` describes, on the meta device: every name and shape, no memory, no weights."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def load_model(cfg: ModelConfig, activation_checkpointing: bool, *, read_weights: bool = True) -> PreTrainedModel:
+    """The model in the recipe's parameter dtype, never in the checkpoint's dtype by accident.
+
+    `read_weights=False` is rank-0 loading on the other ranks: parameters are created on the meta
+    device (no file read, no memory) and receive rank 0's values when accelerate shards the model.
+    Buffers are built for real, since rotary tables and the like are not in the weights to receive.
+    """
+    dtype, attention = DTYPES[cfg.dtype], cfg.attn_implementation
+    try:
+        if read_weights:
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.name_or_path, dtype=dtype, attn_implementation=attention, trust_remote_code=cfg.trust_remote_code
+            )
+        else:
+            config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+            with init_empty_weights(include_buffers=False):
+                model = AutoModelForCausalLM.from_config(
+                    config, dtype=dtype, attn_implementation=attention, trust_remote_code=cfg.trust_remote_code
+                )
+            model.tie_weights()  # not done for meta parameters, and rank 0's model has them tied
     except (OSError, ValueError) as exc:
         raise FinetuneError(
             f"cannot load a causal LM from {cfg.name_or_path!r} ({first_line(exc)}); set model.name_or_path "
@@ -59,6 +99,23 @@ def load_model(cfg: ModelConfig, activation_checkpointing: bool) -> PreTrainedMo
     # from_pretrained returns the model in eval mode, where dropout and activation checkpointing are off.
     model.train()
     return model
+
+
+def check_tied_weights(model: PreTrainedModel) -> None:
+    """A model configured with tied embeddings must still share one tensor after sharding.
+
+    Sharding replaces parameters; a wrapper that replaced the two names separately would train
+    two matrices, and the export (which stores the tied tensor once) would drop one of them.
+    """
+    if not getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        return
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if inputs is not None and outputs is not None and inputs.weight is not outputs.weight:
+        raise FinetuneError(
+            f"{type(model).__name__} ties its input and output embeddings, but after sharding they are two "
+            "different parameters; use an FSDP2 config (accelerate_configs/fsdp2_full_shard.yaml), which keeps "
+            "them tied"
+        )
 
 
 def save_model_files(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:

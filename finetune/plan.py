@@ -22,17 +22,15 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-import torch
-import yaml
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import PreTrainedModel
 
 from finetune.config import RecipeConfig
-from finetune.errors import FinetuneError, first_line
-from finetune.model import DTYPES
+from finetune.errors import FinetuneError
+from finetune.launch import STRATEGIES, Launch
+from finetune.model import DTYPES, load_model_config, meta_model
+from finetune.wrap import wrap_classes
 
-STRATEGIES = ("full_shard", "shard_grad_op", "ddp")
 _MIXED = {"bf16": 2, "fp16": 2}
 
 
@@ -49,19 +47,6 @@ class ModelShape:
     intermediate: int
     kv_hidden: int
     vocab: int
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What the accelerate config and the command line say about the hardware."""
-
-    strategy: str
-    num_processes: int
-    num_machines: int
-    mixed_precision: str
-    offload: bool
-    activation_checkpointing: bool
-    cpu_ram_efficient_loading: bool
 
 
 @dataclass(frozen=True)
@@ -88,11 +73,9 @@ class Estimate:
         )
 
 
-def model_shape(config) -> ModelShape:
-    """Count parameters on the meta device and read the sizes activations depend on."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    text = config.get_text_config()
+def model_shape(model: PreTrainedModel) -> ModelShape:
+    """Count parameters of a (meta-device) model and read the sizes activations depend on."""
+    text = model.config.get_text_config()
     unit_classes = set(getattr(model, "_no_split_modules", None) or [])
     units = [m for m in model.modules() if type(m).__name__ in unit_classes]
     largest = max((sum(p.numel() for p in m.parameters()) for m in units), default=0)
@@ -138,10 +121,10 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     param_bytes = DTYPES[recipe.model.dtype].itemsize
     compute_bytes = _MIXED.get(launch.mixed_precision, param_bytes)
     world = launch.num_processes
-    shards = world if strategy != "ddp" else 1
+    shards = {"ddp": 1, "hybrid_shard": launch.processes_per_machine}.get(strategy, world)
     state = shape.parameters * param_bytes
     parameters, gradients, optimizer = state // shards, state // shards, 2 * state // shards
-    if strategy == "full_shard":
+    if strategy in ("full_shard", "hybrid_shard"):
         gather = 2 * shape.largest_unit * compute_bytes
     elif strategy == "shard_grad_op":
         gather = shape.parameters * compute_bytes
@@ -150,7 +133,7 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     tokens = recipe.train.micro_batch_size * recipe.data.max_length
     activations = activation_bytes(shape, tokens, compute_bytes, checkpointing=False)
     checkpointed = activation_bytes(shape, tokens, compute_bytes, checkpointing=True)
-    processes_per_host = max(1, world // launch.num_machines)
+    processes_per_host = launch.processes_per_machine
     full_model = shape.parameters * param_bytes
     # Loading: every process reads the full model, unless rank 0 alone does (cpu_ram_efficient_loading).
     host_load = full_model if launch.cpu_ram_efficient_loading else full_model * processes_per_host
@@ -161,35 +144,6 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     host_export = min(full_model, 5 * 10**9) * 12 // 10
     return Estimate(
         strategy, parameters, gradients, optimizer, gather, activations, checkpointed, host_load, host_export
-    )
-
-
-def read_launch(config_path: Path, num_processes: int, num_machines: int) -> Launch:
-    """The parts of an accelerate config file that decide memory."""
-    if not config_path.is_file():
-        raise FinetuneError(f"accelerate config {config_path} does not exist; pass one of accelerate_configs/*.yaml")
-    raw = yaml.safe_load(config_path.read_text()) or {}
-    fsdp = raw.get("fsdp_config") or {}
-    if raw.get("distributed_type") == "FSDP":
-        if str(fsdp.get("fsdp_version", 1)) == "2":
-            strategy = "full_shard" if fsdp.get("fsdp_reshard_after_forward", True) else "shard_grad_op"
-        else:
-            strategy = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).lower()
-            strategy = strategy if strategy in STRATEGIES else "full_shard"
-    else:
-        strategy = "ddp"
-    if num_processes < 1 or num_machines < 1 or num_processes % num_machines:
-        raise FinetuneError(
-            f"--num-processes {num_processes} must be a positive multiple of --num-machines {num_machines}"
-        )
-    return Launch(
-        strategy=strategy,
-        num_processes=num_processes,
-        num_machines=num_machines,
-        mixed_precision=str(raw.get("mixed_precision", "no")),
-        offload=bool(fsdp.get("fsdp_offload_params", False)),
-        activation_checkpointing=bool(fsdp.get("fsdp_activation_checkpointing", False)),
-        cpu_ram_efficient_loading=bool(fsdp.get("fsdp_cpu_ram_efficient_loading", False)),
     )
 
 
@@ -205,16 +159,7 @@ def parse_memory(text: str) -> int:
 
 def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     """The report: a table per strategy and a verdict for the configured one."""
-    try:
-        config = AutoConfig.from_pretrained(
-            recipe.model.name_or_path, trust_remote_code=recipe.model.trust_remote_code
-        )
-    except (OSError, ValueError) as exc:
-        raise FinetuneError(
-            f"cannot read the config of {recipe.model.name_or_path!r} ({first_line(exc)}); without network, point "
-            "model.name_or_path at a folder with its config.json (recipes/<family>/configs/ ships one per model)"
-        ) from None
-    shape = model_shape(config)
+    shape = model_shape(meta_model(load_model_config(recipe.model)))
     estimates = {strategy: estimate(shape, recipe, launch, strategy) for strategy in STRATEGIES}
     largest = max(e.device_total(False) for e in estimates.values())
     unit_name, gib = ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
@@ -265,3 +210,23 @@ def verdict(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory:
         f"does not fit ({need / 2**30:.1f} GiB needed of {gpu_memory / 2**30:.1f}); "
         f"shard over more devices (about {more}), lower micro_batch_size or max_length"
     )
+
+
+def check(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
+    """`finetune check`: everything about a launch that can be known before starting it, offline.
+
+    The recipe and launch sizes were validated when they were read; here the model is built on the
+    meta device from its config, its wrap classes are found in it, and the memory plan is given.
+    Problems raise FinetuneError; a plan that does not fit is reported, not refused (it is an estimate).
+    """
+    model = meta_model(load_model_config(recipe.model))
+    shape = model_shape(model)
+    source = recipe.model.config_file or recipe.model.name_or_path
+    lines = [f"model: {shape.name} from {source}, {shape.parameters:,} parameters"]
+    if launch.strategy != "ddp" and launch.wrap_policy == "TRANSFORMER_BASED_WRAP":
+        classes = wrap_classes(launch.wrap_classes, model)
+        units = sum(type(m).__name__ in classes for m in model.modules())
+        lines.append(f"wrap: {units} units of {', '.join(classes)}")
+    lines.append(f"launch: {launch.describe()}")
+    lines.append(f"memory per device: {verdict(shape, recipe, launch, gpu_memory)}")
+    return "\n".join(lines)

@@ -31,23 +31,29 @@ def validate_wrap_policy(plugin: FullyShardedDataParallelPlugin, model: torch.nn
     """Check that the accelerate config's wrap policy matches modules of `model`; resolve default classes."""
     policy = plugin.auto_wrap_policy
     if policy is transformer_auto_wrap_policy:
-        requested = [name.strip() for name in plugin.transformer_cls_names_to_wrap or [] if name.strip()]
-        names = requested or list(getattr(model, "_no_split_modules", None) or [])
-        if not names:
-            raise FinetuneError(
-                f"{type(model).__name__} declares no _no_split_modules, so the wrap class cannot be inferred; set "
-                f"fsdp_transformer_layer_cls_to_wrap in the accelerate config to one of: {_candidates(model)}"
-            )
-        present = {type(m).__name__ for m in model.modules()}
-        missing = [name for name in names if name not in present]
-        if missing:
-            raise FinetuneError(
-                f"fsdp_transformer_layer_cls_to_wrap names {', '.join(missing)}, which {type(model).__name__} does "
-                f"not contain; use one of: {_candidates(model)}"
-            )
-        plugin.transformer_cls_names_to_wrap = names
+        plugin.transformer_cls_names_to_wrap = wrap_classes(plugin.transformer_cls_names_to_wrap or [], model)
     elif policy is size_based_auto_wrap_policy:
         _validate_size_policy(plugin, model)
+
+
+def wrap_classes(requested: list[str] | tuple[str, ...], model: torch.nn.Module) -> list[str]:
+    """The layer classes to wrap: `requested`, or the model's `_no_split_modules`; each must occur in `model`."""
+    names = [name.strip() for name in requested if name.strip()] or list(
+        getattr(model, "_no_split_modules", None) or []
+    )
+    if not names:
+        raise FinetuneError(
+            f"{type(model).__name__} declares no _no_split_modules, so the wrap class cannot be inferred; set "
+            f"fsdp_transformer_layer_cls_to_wrap in the accelerate config to one of: {_candidates(model)}"
+        )
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [name for name in names if name not in present]
+    if missing:
+        raise FinetuneError(
+            f"fsdp_transformer_layer_cls_to_wrap names {', '.join(missing)}, which {type(model).__name__} does "
+            f"not contain; use one of: {_candidates(model)}"
+        )
+    return names
 
 
 def _validate_size_policy(plugin: FullyShardedDataParallelPlugin, model: torch.nn.Module) -> None:

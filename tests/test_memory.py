@@ -118,5 +118,8 @@ def test_activation_checkpointing_lowers_peak_memory_with_the_same_loss(tmp_path
         runs[checkpointing] = Run(result, output_dir)
     plain, checkpointed = runs["false"], runs["true"]
     for a, b in zip(memory(plain), memory(checkpointed), strict=True):
-        assert b["step_peak"] < a["step_peak"] - 100 * 2**20, (a["step_peak"], b["step_peak"])
+        # Saved-for-backward bytes are exact; the step peak is process RSS, so allow for other
+        # resident memory moving by tens of MB between runs (measured: 0.79-0.82 of the plain peak).
+        assert b["activations"] < 0.5 * a["activations"], (a["activations"], b["activations"])
+        assert b["step_peak"] < 0.9 * a["step_peak"], (a["step_peak"], b["step_peak"])
     assert checkpointed.losses() == pytest.approx(plain.losses(), abs=1e-6)

@@ -10,7 +10,9 @@ import pytest
 from conftest import CONFIGS, DEMO_RECIPE, REPO, Run
 
 from finetune.config import load_recipe
-from finetune.plan import activation_bytes, estimate, model_shape, read_launch
+from finetune.launch import read_launch
+from finetune.model import meta_model
+from finetune.plan import activation_bytes, estimate, model_shape
 
 pytestmark = pytest.mark.multiprocess
 
@@ -20,7 +22,7 @@ def planned(run: Run, config: str):
     launch = dataclasses.replace(read_launch(CONFIGS / config, 2, 1), mixed_precision="no")  # the runs use fp32
     from transformers import AutoConfig
 
-    shape = model_shape(AutoConfig.from_pretrained(recipe.model.name_or_path))
+    shape = model_shape(meta_model(AutoConfig.from_pretrained(recipe.model.name_or_path)))
     return shape, recipe, launch
 
 
@@ -78,6 +80,6 @@ def test_plan_command_gives_a_table_and_a_verdict(demo_assets):
     tiny = run_plan(model, "--config", config, "--num-processes", "2", "--gpu-memory", "1MB")
     assert "does not fit" in tiny.stdout
     bad = run_plan(model, "--config", config, "--num-processes", "3", "--num-machines", "2")
-    assert bad.returncode == 2 and "must be a positive multiple of --num-machines 2" in bad.stderr
+    assert bad.returncode == 2 and "NUM_PROCESSES=3 is not a multiple of NUM_MACHINES=2" in bad.stderr
     bad = run_plan(model, "--config", config, "--num-processes", "2", "--gpu-memory", "80XB")
     assert bad.returncode == 2 and "write it like 80GB" in bad.stderr

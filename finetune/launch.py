@@ -1,0 +1,192 @@
+"""What an accelerate config plus the launch command say about the hardware, checked before launching.
+
+A multi-node launch that is missing MAIN_PROCESS_IP, or whose machine count disagrees with the
+scheduler, does not fail: its ranks wait for peers that never come until a rendezvous timeout.
+`read_launch` turns the config file and the command-line sizes into one `Launch` and reports every
+such problem at once, with the numbers; `finetune check` (run by every `make train-*` target and by
+the SLURM script) calls it before any process starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from finetune.errors import FinetuneError
+
+STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "ddp")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How many processes, where, and sharded how."""
+
+    config_path: Path
+    strategy: str
+    """One of STRATEGIES: how parameters, gradients and optimizer state are split across processes."""
+    fsdp_version: int
+    num_processes: int
+    """Processes in all, over every machine."""
+    num_machines: int
+    machine_rank: int
+    main_process_ip: str | None
+    mixed_precision: str
+    offload: bool
+    activation_checkpointing: bool
+    cpu_ram_efficient_loading: bool
+    hybrid_shard_size: int | None
+    """FSDP2 hybrid sharding: parallelism_config_dp_shard_size. (FSDP1's HYBRID_SHARD shards per machine.)"""
+    wrap_policy: str
+    """fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP."""
+    wrap_classes: tuple[str, ...]
+    """Layer classes FSDP wraps one unit each; empty: the model's `_no_split_modules`."""
+
+    @property
+    def processes_per_machine(self) -> int:
+        return self.num_processes // self.num_machines
+
+    @property
+    def shard_group(self) -> int:
+        """Processes one copy of the model is sharded over (the rest replicate it)."""
+        if self.strategy == "ddp":
+            return 1
+        if self.strategy == "hybrid_shard":
+            return self.hybrid_shard_size or self.processes_per_machine
+        return self.num_processes
+
+    def describe(self) -> str:
+        sizes = f"{self.num_processes} processes on {self.num_machines} machine(s)"
+        if self.strategy == "hybrid_shard":
+            sizes += f", {self.num_processes // self.shard_group} replicas x {self.shard_group}-process shard groups"
+        engine = f"FSDP{self.fsdp_version} " if self.strategy != "ddp" else ""
+        return f"{engine}{self.strategy}, {sizes}, mixed precision {self.mixed_precision}"
+
+
+def read_launch(
+    config_path: Path,
+    num_processes: int | None = None,
+    num_machines: int | None = None,
+    *,
+    machine_rank: int | None = None,
+    main_process_ip: str | None = None,
+    wrap_classes: str | None = None,
+    environ: Mapping[str, str] = os.environ,
+    for_launch: bool = True,
+) -> Launch:
+    """The launch that `accelerate launch --config_file config_path` plus these arguments would start.
+
+    Arguments left as None take the config file's values, as accelerate does; `environ` is where a
+    SLURM allocation is read from. `for_launch=False` (planning) does not ask for the rank-0 address.
+    """
+    if not config_path.is_file():
+        raise FinetuneError(f"accelerate config {config_path} does not exist; pass one of accelerate_configs/*.yaml")
+    try:
+        raw = yaml.safe_load(config_path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        message = " ".join(str(exc).split())
+        raise FinetuneError(f"accelerate config {config_path} is not valid YAML: {message}") from None
+    fsdp = raw.get("fsdp_config") or {}
+    is_fsdp = raw.get("distributed_type") == "FSDP"
+    fsdp_version = int(fsdp.get("fsdp_version", 1)) if is_fsdp else 0
+    wrap = wrap_classes if wrap_classes is not None else fsdp.get("fsdp_transformer_layer_cls_to_wrap") or ""
+    launch = Launch(
+        config_path=config_path,
+        strategy=_strategy(raw, fsdp, fsdp_version),
+        fsdp_version=fsdp_version,
+        num_processes=int(_pick(num_processes, raw.get("num_processes"), 1)),
+        num_machines=int(_pick(num_machines, raw.get("num_machines"), 1)),
+        machine_rank=int(_pick(machine_rank, raw.get("machine_rank"), 0)),
+        main_process_ip=_pick(main_process_ip or None, raw.get("main_process_ip"), None),
+        mixed_precision=str(raw.get("mixed_precision", "no")),
+        offload=bool(fsdp.get("fsdp_offload_params", False)),
+        activation_checkpointing=bool(fsdp.get("fsdp_activation_checkpointing", False)),
+        cpu_ram_efficient_loading=bool(fsdp.get("fsdp_cpu_ram_efficient_loading", False)),
+        hybrid_shard_size=_hybrid_shard_size(raw),
+        wrap_policy=str(fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")),
+        wrap_classes=tuple(name.strip() for name in str(wrap).split(",") if name.strip()),
+    )
+    problems = launch_problems(launch, raw, environ, for_launch)
+    if problems:
+        raise FinetuneError(f"cannot launch with {config_path}: " + "; ".join(problems))
+    return launch
+
+
+def _pick(given, configured, default):
+    if given is not None:
+        return given
+    return configured if configured is not None else default
+
+
+def _strategy(raw: dict, fsdp: dict, fsdp_version: int) -> str:
+    if raw.get("distributed_type") != "FSDP":
+        return "ddp"
+    if fsdp_version == 2:
+        if raw.get("parallelism_config"):
+            return "hybrid_shard"
+        return "full_shard" if fsdp.get("fsdp_reshard_after_forward", True) else "shard_grad_op"
+    strategy = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).lower()
+    return strategy if strategy in STRATEGIES else "full_shard"
+
+
+def _hybrid_shard_size(raw: dict) -> int | None:
+    parallelism = raw.get("parallelism_config") or {}
+    return int(parallelism.get("parallelism_config_dp_shard_size", 1)) if parallelism else None
+
+
+def launch_problems(launch: Launch, raw: dict, environ: Mapping[str, str], for_launch: bool) -> list[str]:
+    """Every inconsistency in the launch sizes, each with its fix; `for_launch` adds what only a real
+    launch needs (the rank-0 address, agreement with the SLURM allocation)."""
+    processes, machines = launch.num_processes, launch.num_machines
+    if processes < 1 or machines < 1:
+        return [f"NUM_PROCESSES={processes} and NUM_MACHINES={machines} must both be at least 1"]
+    problems = []
+    if processes % machines:
+        problems.append(
+            f"NUM_PROCESSES={processes} is not a multiple of NUM_MACHINES={machines}: every machine runs the same "
+            f"number of processes, so use {machines} x (processes per machine), e.g. {machines * 8} for 8 GPUs each"
+        )
+    if not 0 <= launch.machine_rank < machines:
+        problems.append(f"MACHINE_RANK={launch.machine_rank} must be between 0 and NUM_MACHINES-1={machines - 1}")
+    if for_launch and machines > 1 and not launch.main_process_ip:
+        problems.append(
+            f"NUM_MACHINES={machines} needs MAIN_PROCESS_IP, the address of the machine with MACHINE_RANK=0 that "
+            "every machine can reach (under SLURM: scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)"
+        )
+    slurm_nodes = environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES")
+    if for_launch and slurm_nodes and int(slurm_nodes) != machines:
+        problems.append(
+            f"NUM_MACHINES={machines} but this SLURM job has {slurm_nodes} nodes; "
+            "set NUM_MACHINES=$SLURM_JOB_NUM_NODES"
+        )
+    if launch.hybrid_shard_size is not None:
+        shard = launch.hybrid_shard_size
+        replicate = int(raw["parallelism_config"].get("parallelism_config_dp_replicate_size", 1))
+        replicate = processes // shard if replicate == 1 and shard > 0 else replicate
+        if shard < 2 or processes % shard or replicate * shard != processes:
+            problems.append(
+                f"hybrid sharding with shard groups of dp_shard_size={shard} processes does not divide "
+                f"NUM_PROCESSES={processes} into whole replicas ({processes} / {shard} = "
+                f"{processes / max(shard, 1):g}); "
+                "set parallelism_config_dp_shard_size to the processes per machine (at least 2) and leave "
+                "dp_replicate_size out"
+            )
+    return problems
+
+
+def check_hybrid_shard_group(world_size: int, local_world_size: int, devices_per_machine: int | None) -> None:
+    """FSDP1's HYBRID_SHARD shards over the devices torch sees on one machine and replicates across
+    machines. Those groups must tile the processes exactly, or shard groups would straddle machines.
+    `devices_per_machine` is None on CPU, where every process is its own shard group."""
+    if devices_per_machine is None:
+        return
+    if world_size % devices_per_machine or local_world_size != devices_per_machine:
+        raise FinetuneError(
+            f"hybrid sharding shards over the {devices_per_machine} devices visible on each machine, but "
+            f"{local_world_size} processes run per machine out of {world_size} in all, so shard groups of "
+            f"{devices_per_machine} do not divide them into whole machines; launch {devices_per_machine} processes "
+            f"per machine (NUM_PROCESSES = {devices_per_machine} x NUM_MACHINES) or set CUDA_VISIBLE_DEVICES to match"
+        )

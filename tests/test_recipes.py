@@ -1,0 +1,101 @@
+"""Every shipped recipe, offline: its architecture builds on the meta device, its wrap class is in it,
+its header's launch command and its make target agree, and `finetune check` passes for that launch."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+from conftest import CONFIGS, REPO
+
+from finetune.config import load_recipe
+from finetune.launch import read_launch
+from finetune.model import load_model_config, meta_model
+from finetune.plan import check, model_shape, parse_memory
+from finetune.wrap import wrap_classes
+
+# Published parameter counts: a shipped config.json that drifted from the real model fails here.
+MODELS = {
+    "recipes/gpt2/gpt2-small.yaml": ("GPT2Block", 124_439_808),
+    "recipes/gpt2/gpt2-medium.yaml": ("GPT2Block", 354_823_168),
+    "recipes/gpt2/gpt2-xl.yaml": ("GPT2Block", 1_557_611_200),
+    "recipes/llama/llama-3.2-1b.yaml": ("LlamaDecoderLayer", 1_235_814_400),
+    "recipes/llama/llama-3.1-8b.yaml": ("LlamaDecoderLayer", 8_030_261_248),
+    "recipes/llama/llama-3.1-70b.yaml": ("LlamaDecoderLayer", 70_553_706_496),
+    "recipes/qwen/qwen2.5-7b.yaml": ("Qwen2DecoderLayer", 7_615_616_512),
+    "recipes/mistral/mistral-7b.yaml": ("MistralDecoderLayer", 7_248_023_552),
+}
+
+
+def header_launch(path: str) -> list[str]:
+    """The `accelerate launch ...` command written in a recipe's header, as arguments."""
+    header = (REPO / path).read_text().split("\n\n")[0]
+    lines = [line.removeprefix("#").strip() for line in header.splitlines()]
+    command = " ".join(lines[next(i for i, line in enumerate(lines) if line.startswith("accelerate launch")) :])
+    return shlex.split(command.replace("\\", " ").replace("<", "'<").replace(">", ">'"))
+
+
+def flag(arguments: list[str], name: str) -> str | None:
+    return arguments[arguments.index(name) + 1] if name in arguments else None
+
+
+def make_variables(target: str) -> dict[str, str]:
+    """What `make <target>` would run, read from make's dry run."""
+    dry = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    launch = shlex.split(next(line for line in dry.splitlines() if "accelerate launch" in line))
+    return {
+        "config": flag(launch, "--config_file"),
+        "processes": flag(launch, "--num_processes"),
+        "machines": flag(launch, "--num_machines"),
+        "wrap": flag(launch, "--fsdp_transformer_layer_cls_to_wrap"),
+        "recipe": launch[launch.index("train") + 1],
+    }
+
+
+def test_every_model_size_has_a_recipe():
+    shipped = {str(p.relative_to(REPO)) for p in (REPO / "recipes").rglob("*.yaml")}
+    assert set(MODELS) | {"recipes/demo/tiny_llama.yaml"} == shipped
+
+
+@pytest.mark.parametrize("path", sorted(MODELS))
+def test_recipe_builds_offline_and_its_launch_checks_out(path):
+    wrap_class, parameters = MODELS[path]
+    recipe = load_recipe(REPO / path)
+    assert recipe.model.config_file and (REPO / recipe.model.config_file).is_file()
+    model = meta_model(load_model_config(recipe.model))
+    assert model_shape(model).parameters == parameters
+
+    launch_args = header_launch(path)
+    config = REPO / flag(launch_args, "--config_file")
+    machines = int(flag(launch_args, "--num_machines") or 1)
+    launch = read_launch(
+        config, int(flag(launch_args, "--num_processes")), machines,
+        main_process_ip="10.0.0.1" if machines > 1 else None,
+        wrap_classes=flag(launch_args, "--fsdp_transformer_layer_cls_to_wrap"), environ={},
+    )  # fmt: skip
+    assert wrap_classes(launch.wrap_classes, model) == [wrap_class]
+    report = check(recipe, launch, parse_memory("80GB"))
+    assert "memory per device: fits" in report, report
+
+    # `make <target>` launches exactly what the header says.
+    target = re.search(r"make (train-[a-z0-9-]+)", (REPO / path).read_text()).group(1)
+    made = make_variables(target)
+    assert made["recipe"] == path
+    assert made["config"] == str(config.relative_to(REPO)) and int(made["processes"]) == launch.num_processes
+    assert int(made["machines"]) == machines
+    assert (made["wrap"] or "LlamaDecoderLayer") == wrap_class
+
+
+def test_unknown_architecture_offline_says_how_to_provide_it(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    text = (REPO / "recipes/llama/llama-3.1-8b.yaml").read_text()
+    recipe.write_text(re.sub(r"  config_file: .*\n", "", text).replace("meta-llama/Llama-3.1-8B", "acme/Unknown-8B"))
+    result = subprocess.run(
+        [sys.executable, "-m", "finetune", "check", str(recipe), "--config", str(CONFIGS / "single_node.yaml")],
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "is not available offline" in result.stderr and "model.config_file" in result.stderr
