@@ -21,7 +21,7 @@ MAIN_PROCESS_PORT ?= 29500
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b train-70b train-qwen-7b train-mistral-7b
-.PHONY: help setup demo train-tiny train $(TRAIN_TARGETS) check export plan test lint format clean
+.PHONY: help setup demo train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu test lint format clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -118,16 +118,23 @@ plan: $(STAMP) ## memory per device for RECIPE under CONFIG on NUM_PROCESSES dev
 	$(OFFLINE) $(PY) -m finetune plan $(or $(RECIPE),$(DEMO_RECIPE)) --config $(CONFIG) \
 		--num-processes $(NUM_PROCESSES) --num-machines $(NUM_MACHINES) --gpu-memory $(or $(GPU_MEMORY),80GB)
 
+# Ratios measured in one run, interleaved repetitions; results in bench/results/<date>-<commit>.{json,md,png}.
+bench: $(STAMP) ## speed and memory vs hand-written FSDP2, Trainer, merge-weights; scaling (CPU, < 20 min)
+	$(OFFLINE) $(PY) bench/run.py $(if $(REPEATS),--repeats $(REPEATS))
+
+bench-gpu: $(STAMP) ## Llama-3.2-1B shape, bf16, seq 2048, FSDP2 on all GPUs: tokens/s, MFU, peak memory
+	$(OFFLINE) $(PY) bench/gpu.py
+
 test: lint ## lint, then the test suite (CPU only; multi-process tests use 2 processes over gloo)
 	$(OFFLINE) $(PY) -m pytest
 
 lint: $(STAMP) ## ruff check and format check
-	$(VENV)/bin/ruff check finetune tests
-	$(VENV)/bin/ruff format --check finetune tests
+	$(VENV)/bin/ruff check finetune tests bench
+	$(VENV)/bin/ruff format --check finetune tests bench
 
 format: $(STAMP) ## apply ruff fixes and formatting
-	$(VENV)/bin/ruff check --fix finetune tests
-	$(VENV)/bin/ruff format finetune tests
+	$(VENV)/bin/ruff check --fix finetune tests bench
+	$(VENV)/bin/ruff format finetune tests bench
 
 clean: ## remove outputs and the virtual environment
 	rm -rf outputs $(VENV)

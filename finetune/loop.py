@@ -49,6 +49,7 @@ from finetune.distributed import (
 )
 from finetune.errors import FinetuneError
 from finetune.evaluate import evaluate, token_losses
+from finetune.flops import flops_per_token, peak_flops
 from finetune.memory import MemoryProbe, format_reports, gather_reports, memory_metrics
 from finetune.metrics import MetricsLogger
 from finetune.model import DTYPES, check_tied_weights, load_model, load_tokenizer, save_model_files
@@ -172,7 +173,9 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
     rows_per_micro_batch = recipe.train.micro_batch_size * accelerator.num_processes
     # A fingerprint of the token ids this rank trained on, accumulated on the device without syncing.
     data_fingerprint = torch.zeros((), dtype=torch.int64, device=accelerator.device)
-    last_log_time, tokens_since_log = time.perf_counter(), 0
+    last_log_time, tokens_since_log, steps_since_log = time.perf_counter(), 0, 0
+    model_flops = flops_per_token(accelerator.unwrap_model(run.model), recipe.data.max_length)
+    peak = peak_flops(accelerator.device)
     windows = _accumulation_windows(run.train_loader, accumulation, start, rows_per_micro_batch, accelerator)
     probe: MemoryProbe | None = MemoryProbe(run.model, accelerator)  # measures this run's first step
     metrics.advance(start.step)
@@ -192,21 +195,23 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
                 metrics.log(step, memory_metrics(reports))
                 probe = None
             tokens_since_log += result.num_tokens
+            steps_since_log += 1
             metrics.advance()
             last_step = step == run.max_steps
             if step % recipe.train.log_every_steps == 0 or last_step:
-                elapsed = time.perf_counter() - last_log_time
-                metrics.log(
-                    step,
-                    {
-                        "loss": result.loss,
-                        "lr": lr,
-                        "grad_norm": result.grad_norm,
-                        "tokens_per_second": tokens_since_log / max(elapsed, 1e-9),
-                        "target_tokens": result.num_target_tokens,
-                    },
-                )
-                last_log_time, tokens_since_log = time.perf_counter(), 0
+                elapsed = max(time.perf_counter() - last_log_time, 1e-9)
+                values = {
+                    "loss": result.loss,
+                    "lr": lr,
+                    "grad_norm": result.grad_norm,
+                    "tokens_per_second": tokens_since_log / elapsed,
+                    "step_seconds": elapsed / steps_since_log,
+                    "target_tokens": result.num_target_tokens,
+                }
+                if peak is not None:
+                    values["mfu"] = tokens_since_log / elapsed * model_flops / (peak * accelerator.num_processes)
+                metrics.log(step, values)
+                last_log_time, tokens_since_log, steps_since_log = time.perf_counter(), 0, 0
             eval_due = recipe.train.eval_every_steps and step % recipe.train.eval_every_steps == 0
             if run.eval_loader is not None and (eval_due or last_step):
                 metrics.log(step, {"eval_loss": evaluate(run.model, run.eval_loader, accelerator)})
@@ -220,9 +225,15 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
                     recipe.model.name_or_path,
                     run.scheduler.state_dict(),
                 )
+                began = time.perf_counter()
                 save_checkpoint(
                     accelerator, run.output_dir, state, recipe, recipe.checkpoint.keep_last, run.write_model_files
                 )
+                # How long training stood still for this save (saves are synchronous on every rank);
+                # kept out of the next logged step time.
+                saving = time.perf_counter() - began
+                metrics.log(step, {"checkpoint_seconds": saving})
+                last_log_time += saving
             if stop and not last_step:
                 return f"{data_fingerprint.item():x}", step
     return f"{data_fingerprint.item():x}", 0

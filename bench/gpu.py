@@ -1,0 +1,180 @@
+"""`make bench-gpu`: finetune on the GPUs of this machine, Llama-3.2-1B shape, bf16, sequence 2048.
+
+    python bench/gpu.py [--quick] [--steps 30] [--micro-batch 4]
+
+The model has Llama-3.2-1B's architecture (recipes/llama/configs/Llama-3.2-1B-Instruct/config.json)
+and random weights, so nothing is downloaded; the data is synthetic text packed into full rows of
+2048 tokens. Each variant is one `accelerate launch` of `finetune train` with the single-node preset
+(FSDP2 full shard, bf16 compute over float32 master weights) on every visible GPU: with activation
+checkpointing, without it, and without it under torch.compile. Reported per GPU: tokens/s, MFU
+(finetune.flops: 6 N + 6 L s d_attn model FLOPs per token over the device's dense bf16 peak) and
+the step-1 peak memory. Results: bench/results/<date>-<commit>-gpu.json and .md, whose table is
+what docs/benchmarks.md quotes. `--quick` runs a tiny model on 2 CPU processes (what the tests run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from run import CONFIGS, ENV, RECIPE, REPO, _free_port, _git, _steady
+
+SHAPE = REPO / "recipes" / "llama" / "configs" / "Llama-3.2-1B-Instruct" / "config.json"
+VARIANTS = {
+    "activation checkpointing": ["--fsdp_activation_checkpointing", "true"],
+    "no activation checkpointing": ["--fsdp_activation_checkpointing", "false"],
+    "no AC, torch.compile": ["--fsdp_activation_checkpointing", "false", "--dynamo_backend", "inductor"],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model on 2 CPU processes (the tests' run)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--work", default=str(REPO / "outputs" / "bench-gpu"))
+    parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    args = parser.parse_args()
+    import torch
+
+    if not args.quick and not torch.cuda.is_available():
+        raise SystemExit("bench-gpu: no CUDA GPU visible; run it on a GPU machine (or --quick on CPU)")
+    work = Path(args.work)
+    seq = 128 if args.quick else 2048
+    model = build_model(work, quick=args.quick)
+    data = build_data(work, seq)
+    gpus = 2 if args.quick else torch.cuda.device_count()
+    device = "CPU (quick)" if args.quick else f"{gpus} x {torch.cuda.get_device_name(0)}"
+    variants = {k: v for k, v in VARIANTS.items() if not (args.quick and "compile" in k)}
+    rows = []
+    for name, launch_args in variants.items():
+        print(f"bench-gpu: {name} ...", flush=True)
+        rows.append(measure(name, launch_args, model, data, work, seq, gpus, args))
+    results = {
+        "date": __import__("datetime").date.today().isoformat(),
+        "commit": _git("rev-parse", "--short", "HEAD"),
+        "device": device,
+        "torch": torch.__version__,
+        "shape": str(SHAPE.relative_to(REPO)) if not args.quick else "tiny",
+        "compute": "float32 (CPU)" if args.quick else "bf16",
+        "sequence_length": seq,
+        "micro_batch": args.micro_batch,
+        "mfu_formula": "6 N + 6 L s d_attn per token (finetune/flops.py); peak: dense bf16 of the device",
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{results['date']}-{results['commit']}-gpu{'-quick' if args.quick else ''}"
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(markdown(results))
+    print(markdown(results))
+
+
+def build_model(work: Path, quick: bool) -> Path:
+    """Random weights in the target shape, saved once with the demo tokenizer (its ids fit any vocab)."""
+    folder = work / ("tiny-model" if quick else "llama-3.2-1b-shape")
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from finetune import demo
+
+    demo.build(str(work / "demo"))
+    tokenizer = AutoTokenizer.from_pretrained(work / "demo" / "base")
+    if quick:
+        config = AutoConfig.from_pretrained(work / "demo" / "base")
+    else:
+        config = AutoConfig.from_pretrained(SHAPE)
+        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+        config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    partial = folder.with_suffix(".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(folder)
+    return folder
+
+
+def build_data(work: Path, seq: int) -> Path:
+    """Synthetic text long enough that packing fills every row of `seq` tokens."""
+    path = work / f"text-{seq}.jsonl"
+    if not path.exists():
+        rng = random.Random(0)
+        words = ["".join(rng.choice("abcdefghij0123456789") for _ in range(rng.randint(2, 6))) for _ in range(500)]
+        lines = [json.dumps({"text": " ".join(rng.choice(words) for _ in range(seq))}) for _ in range(256)]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def measure(name: str, launch_args: list[str], model: Path, data: Path, work: Path, seq: int, gpus: int, args) -> dict:
+    out = work / "runs" / name.replace(" ", "-").replace(",", "")
+    overrides = {
+        "model.name_or_path": model,
+        "data.train_path": data,
+        "data.eval_path": "null",
+        "data.format": "text",
+        "data.max_length": seq,
+        "train.micro_batch_size": args.micro_batch,
+        "train.max_steps": 6 if args.quick else args.steps,
+        "train.log_every_steps": 1,
+        "train.eval_every_steps": 0,
+        "optim.warmup_steps": 0,
+        "output.dir": out,
+        "output.overwrite": "true",
+        "output.trackers": "[]",
+        "output.export": "false",
+    }
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "single_node.yaml"),
+        "--num_processes", str(gpus), "--num_machines", "1", "--main_process_port", str(_free_port()),
+        "--mixed_precision", "no" if args.quick else "bf16", *launch_args,
+        "-m", "finetune", "train", str(RECIPE), *[f"{k}={v}" for k, v in overrides.items()],
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        return {"variant": name, "error": (result.stderr.strip().splitlines() or ["failed"])[-1][:300]}
+    entries = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [e for e in entries if "loss" in e]
+    memory = next(e for e in entries if "memory/rank0/step_peak" in e)
+    mfu = [e["mfu"] for e in steps if "mfu" in e]
+    return {
+        "variant": name,
+        "tokens_per_second_per_gpu": statistics.median(_steady([e["tokens_per_second"] for e in steps])) / gpus,
+        "mfu": statistics.median(_steady(mfu)) if mfu else None,
+        "step_seconds": statistics.median(_steady([e["step_seconds"] for e in steps])),
+        "peak_memory_bytes": memory["memory/rank0/step_peak"],
+        "loss_first_last": [steps[0]["loss"], steps[-1]["loss"]],
+    }
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        f"GPU benchmark {results['date']} ({results['commit']}), {results['device']}, torch {results['torch']}: "
+        f"{results['shape']}, {results['compute']} compute, sequence {results['sequence_length']}, micro-batch "
+        f"{results['micro_batch']} per GPU, FSDP2 full shard.",
+        "",
+        "| variant | tokens/s per GPU | MFU | step s | peak memory GiB |",
+        "|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        if "error" in row:
+            lines.append(f"| {row['variant']} | failed: {row['error']} | | | |")
+            continue
+        mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a (peak unknown)"
+        lines.append(
+            f"| {row['variant']} | {row['tokens_per_second_per_gpu']:.0f} | {mfu} | {row['step_seconds']:.3f} | "
+            f"{row['peak_memory_bytes'] / 2**30:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

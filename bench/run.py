@@ -1,0 +1,519 @@
+"""`make bench`: finetune's speed and memory against its peers, as ratios measured in one run.
+
+    python bench/run.py [--quick] [--repeats 3] [--out bench/results]
+
+Machines are shared and noisy, so nothing here is an absolute claim: each comparison runs its
+contenders interleaved (A, B, A, B, ...) `--repeats` times on the same machine and reports the
+median of each and their ratio. Results go to bench/results/<date>-<commit>.json, a markdown
+table next to it, and PNG plots of loss and memory. `--quick` runs everything once on tiny sizes:
+what the test suite runs to prove the scripts work (it asserts no timing).
+
+Comparisons (2 CPU processes over gloo unless stated):
+  loop_overhead    finetune's loop vs a hand-written FSDP2 loop (bench/handwritten_fsdp2.py): steps/s
+  trainer          target tokens/s of finetune (DDP and FSDP2) vs transformers.Trainer (DDP) on chat data
+  export           `finetune export` vs `accelerate merge-weights` on one SHARDED checkpoint: time, peak RSS
+  checkpoint_save  seconds the loop is blocked by a save: SHARDED vs FULL state dict
+  scaling          step time and per-rank memory: 3 sizes x 1/2 processes x full shard/shard-grad-op/DDP
+  data_pipeline    tokenize + mask + pack tokens/s (first and cached run) vs a batched datasets.map
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "accelerate_configs"
+RECIPE = REPO / "recipes" / "demo" / "tiny_llama.yaml"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@dataclass(frozen=True)
+class Size:
+    """A Llama shape for the benchmarks; the vocabulary is padded past the demo tokenizer's."""
+
+    name: str
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    vocab: int = 384
+
+
+SIZES = {
+    "tiny": Size("tiny", 128, 4, 384, 4),
+    "small": Size("small", 256, 6, 768, 8),
+    "medium": Size("medium", 512, 8, 1536, 8),
+    # Several hundred million parameters, for the export comparison only (never trained beyond one step).
+    "export": Size("export", 1024, 24, 2816, 16, vocab=32000),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repetition (the test suite's run)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per contender")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder for the results")
+    parser.add_argument("--work", default=str(REPO / "outputs" / "bench"), help="scratch folder (models, runs)")
+    args = parser.parse_args()
+    bench = Bench(Path(args.work), quick=args.quick, repeats=1 if args.quick else args.repeats)
+    started = time.perf_counter()
+    results = {
+        "date": datetime.date.today().isoformat(),
+        "commit": _git("rev-parse", "--short", "HEAD"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "quick": args.quick,
+        "repeats": bench.repeats,
+    }
+    for name in ("data_pipeline", "loop_overhead", "trainer", "checkpoint_save", "scaling", "export"):
+        print(f"bench: {name} ...", flush=True)
+        began = time.perf_counter()
+        results[name] = getattr(bench, name)()
+        print(f"bench: {name} done in {time.perf_counter() - began:.0f} s", flush=True)
+    results["total_seconds"] = round(time.perf_counter() - started, 1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{results['date']}-{results['commit']}{'-quick' if args.quick else ''}"
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(markdown(results))
+    plot(bench.curves, results, stem)
+    print(markdown(results))
+    print(f"bench: wrote {stem}.json, .md and -loss.png / -memory.png in {results['total_seconds']:.0f} s")
+
+
+class Bench:
+    def __init__(self, work: Path, quick: bool, repeats: int):
+        self.work, self.quick, self.repeats = work, quick, repeats
+        self.curves: dict[str, list[float]] = {}  # loss curves to plot
+        work.mkdir(parents=True, exist_ok=True)
+        from finetune import demo
+
+        demo.build(str(work / "demo"))  # tokenizer and chat data (offline)
+        self.data = work / "demo" / "data" / "train.jsonl"
+        self.steps = 6 if quick else 30
+        self.train_size = SIZES["tiny" if quick else "small"]
+
+    # ---- assets -------------------------------------------------------------------------------
+
+    def model(self, size: Size) -> Path:
+        """A randomly initialised Llama of `size`, saved once with the demo tokenizer."""
+        folder = self.work / "models" / size.name
+        if (folder / "config.json").exists():
+            return folder
+        import torch
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        tokenizer = AutoTokenizer.from_pretrained(self.work / "demo" / "base")
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=max(size.vocab, len(tokenizer)), hidden_size=size.hidden, intermediate_size=size.intermediate,
+            num_hidden_layers=size.layers, num_attention_heads=size.heads, num_key_value_heads=size.heads,
+            max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+        partial = folder.with_suffix(".partial")
+        LlamaForCausalLM(config).save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        partial.rename(folder)
+        return folder
+
+    def finetune_run(self, name: str, size: Size, config: str, processes: int = 2, **overrides) -> dict:
+        """One `accelerate launch -m finetune train` of the demo recipe on the bench model; its metrics."""
+        out = self.work / "runs" / name
+        values = {
+            "model.name_or_path": self.model(size),
+            "data.train_path": self.data,
+            "data.eval_path": "null",
+            "output.dir": out,
+            "output.overwrite": "true",
+            "output.trackers": "[]",
+            "output.export": "false",
+            "train.max_steps": self.steps,
+            "train.log_every_steps": 1,
+            "train.eval_every_steps": 0,
+            "optim.lr": "1e-4",
+            "optim.warmup_steps": 0,
+            "optim.schedule": "constant",
+            **overrides,
+        }
+        command = [
+            sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
+            "--num_processes", str(processes), "--mixed_precision", "no", "--main_process_port", str(_free_port()),
+            "-m", "finetune", "train", str(RECIPE), *[f"{k}={v}" for k, v in values.items()],
+        ]  # fmt: skip
+        _run(command)
+        return _metrics(out / "metrics.jsonl")
+
+    # ---- comparisons --------------------------------------------------------------------------
+
+    def loop_overhead(self) -> dict:
+        """finetune vs the hand-written FSDP2 loop on the same packed rows: median steps/s, interleaved."""
+        from finetune.config import DataConfig
+        from finetune.data import load_split, prepare_split
+
+        size = self.train_size
+        model = self.model(size)
+        import torch
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        cfg = DataConfig(train_path=str(self.data), max_length=128, format="chat", packing=True)
+        rows, _ = prepare_split(load_split(cfg.train_path, "train"), tokenizer, cfg, seed=42)
+        rows_path = self.work / "packed_rows.pt"
+        torch.save({key: torch.tensor(rows[key]) for key in ("input_ids", "position_ids", "target_ids")}, rows_path)
+        ours, theirs = [], []
+        for repeat in range(self.repeats):
+            metrics = self.finetune_run(f"loop-{repeat}", size, "fsdp2_full_shard.yaml")
+            ours.append(1 / _steady_median(metrics["step_seconds"]))
+            self.curves.setdefault("finetune (FSDP2)", metrics["loss"])
+            out = self.work / "runs" / f"handwritten-{repeat}.json"
+            _run([
+                sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(_free_port()), str(REPO / "bench" / "handwritten_fsdp2.py"), str(model), str(rows_path),
+                str(self.steps), "8", str(out),
+            ])  # fmt: skip
+            handwritten = json.loads(out.read_text())
+            theirs.append(1 / _steady_median(handwritten["step_seconds"]))
+            self.curves.setdefault("hand-written FSDP2", handwritten["loss"])
+        return _ratio("steps_per_second", "finetune", ours, "handwritten_fsdp2", theirs, target=0.97, size=size)
+
+    def trainer(self) -> dict:
+        """Target tokens/s on variable-length chat samples: finetune (packed) vs Trainer (padded)."""
+        size = self.train_size
+        model = self.model(size)
+        results: dict[str, list[float]] = {"finetune_ddp": [], "finetune_fsdp2": [], "trainer_ddp": []}
+        for repeat in range(self.repeats):
+            for name, config in (("finetune_ddp", "ddp.yaml"), ("finetune_fsdp2", "fsdp2_full_shard.yaml")):
+                metrics = self.finetune_run(f"{name}-{repeat}", size, config)
+                results[name].append(_steady_rate(metrics["target_tokens"], metrics["step_seconds"]))
+            out = self.work / "runs" / f"trainer-{repeat}.json"
+            _run([
+                sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(_free_port()), str(REPO / "bench" / "trainer_ddp.py"), str(model), str(self.data),
+                str(self.steps), "8", str(out),
+            ])  # fmt: skip
+            trainer = json.loads(out.read_text())
+            results["trainer_ddp"].append(_steady_rate(trainer["target_tokens"], trainer["step_seconds"]))
+        medians = {name: statistics.median(values) for name, values in results.items()}
+        return {
+            "metric": "target_tokens_per_second",
+            "size": size.name,
+            "runs": results,
+            "median": medians,
+            "ratio_ddp": medians["finetune_ddp"] / medians["trainer_ddp"],
+            "ratio_fsdp2": medians["finetune_fsdp2"] / medians["trainer_ddp"],
+            "target": 1.3,
+        }
+
+    def checkpoint_save(self) -> dict:
+        """Seconds the loop is blocked by one save, SHARDED (DCP) and FULL state dict."""
+        size = SIZES["tiny" if self.quick else "medium"]
+        results: dict[str, list[float]] = {"sharded": [], "full": []}
+        for repeat in range(self.repeats):
+            for name, config in (("sharded", "fsdp2_full_shard.yaml"), ("full", "fsdp2_shard_grad_op.yaml")):
+                metrics = self.finetune_run(
+                    f"save-{name}-{repeat}", size, config, **{"train.max_steps": 4, "checkpoint.save_every_steps": 2}
+                )
+                results[name].extend(metrics["checkpoint_seconds"])
+        return {
+            "metric": "seconds_blocked_per_save",
+            "size": size.name,
+            "runs": results,
+            "median": {name: statistics.median(values) for name, values in results.items()},
+            "async": "not offered: saves are synchronous (accelerate's save_state); see docs/benchmarks.md",
+        }
+
+    def scaling(self) -> dict:
+        """Step time and per-rank memory across sizes, process counts and strategies."""
+        sizes = ["tiny"] if self.quick else ["tiny", "small", "medium"]
+        strategies = {
+            "full_shard": "fsdp2_full_shard.yaml",
+            "shard_grad_op": "fsdp2_shard_grad_op.yaml",
+            "ddp": "ddp.yaml",
+        }
+        rows = []
+        for size_name in sizes:
+            for processes in (1, 2):
+                for strategy, config in strategies.items():
+                    metrics = self.finetune_run(
+                        f"scale-{size_name}-{processes}-{strategy}", SIZES[size_name], config, processes,
+                        **{"train.max_steps": min(self.steps, 10), "train.micro_batch_size": 16 // processes},
+                    )  # fmt: skip
+                    memory = {key.split("/")[-1]: value for key, value in metrics["memory"].items()}
+                    rows.append({
+                        "size": size_name, "parameters": _parameters(self.model(SIZES[size_name])),
+                        "processes": processes,
+                        "strategy": strategy if processes > 1 or strategy != "ddp" else "single",
+                        "step_seconds": _steady_median(metrics["step_seconds"]),
+                        "rank0_bytes": memory,
+                    })  # fmt: skip
+        return {"global_batch_rows": 16, "rows": rows}
+
+    def data_pipeline(self) -> dict:
+        """finetune's tokenize + mask + pack, first and cached, vs a batched `datasets.map` tokenization."""
+        import datasets
+        from transformers import AutoTokenizer
+
+        from finetune.config import DataConfig
+        from finetune.data import prepare_split
+
+        tokenizer = AutoTokenizer.from_pretrained(self.work / "demo" / "base")
+        cache = self.work / "datasets-cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        raw = datasets.load_dataset("json", data_files=str(self.data), split="train", cache_dir=str(cache))
+        if self.quick:
+            raw = raw.select(range(500))
+        cfg = DataConfig(train_path=str(self.data), max_length=128, format="chat", packing=True)
+        timings = {}
+        for label in ("first", "cached"):
+            began = time.perf_counter()
+            _, stats = prepare_split(raw, tokenizer, cfg, seed=42)
+            timings[label] = time.perf_counter() - began
+        began = time.perf_counter()
+        plain = raw.map(
+            lambda batch: tokenizer(tokenizer.apply_chat_template(batch["messages"], tokenize=False)),
+            batched=True, remove_columns=raw.column_names, new_fingerprint=f"plain-{time.time()}",
+        )  # fmt: skip
+        timings["plain_batched_map"] = time.perf_counter() - began
+        tokens = stats.num_tokens
+        assert sum(len(ids) for ids in plain["input_ids"]) > 0
+        rates = {label: tokens / seconds for label, seconds in timings.items()}
+        return {
+            "metric": "tokens_per_second",
+            "samples": len(raw),
+            "tokens": tokens,
+            "rate": rates,
+            "ratio_first_vs_plain": rates["first"] / rates["plain_batched_map"],
+            "ratio_cached_vs_plain": rates["cached"] / rates["plain_batched_map"],
+        }
+
+    def export(self) -> dict:
+        """`finetune export` vs `accelerate merge-weights` on one SHARDED checkpoint: time and peak RSS."""
+        size = SIZES["tiny" if self.quick else "export"]
+        self.finetune_run(
+            "export-source", size, "fsdp2_full_shard.yaml",
+            **{"train.max_steps": 1, "checkpoint.save_every_steps": 1, "train.micro_batch_size": 1},
+        )  # fmt: skip
+        checkpoint = self.work / "runs" / "export-source" / "checkpoints" / "step_1"
+        shard_size = "20MB" if self.quick else "200MB"
+        contenders = {
+            "finetune_export": lambda out: [sys.executable, "-m", "finetune", "export", str(checkpoint), str(out),
+                                            "--max-shard-size", shard_size],
+            "accelerate_merge_weights": lambda out: [
+                sys.executable, "-m", "accelerate.commands.accelerate_cli", "merge-weights",
+                str(checkpoint / "pytorch_model_fsdp_0"), str(out),
+            ],
+        }  # fmt: skip
+        runs: dict[str, list[dict]] = {name: [] for name in contenders}
+        for repeat in range(self.repeats):
+            for name, command in contenders.items():
+                out = self.work / "exports" / f"{name}-{repeat}"
+                shutil.rmtree(out, ignore_errors=True)
+                seconds, peak = _timed_peak_rss(command(out))
+                largest = max(p.stat().st_size for p in out.glob("*.safetensors"))
+                runs[name].append({"seconds": seconds, "peak_rss_bytes": peak, "largest_file_bytes": largest})
+        # The fixed overhead: the same exporter on the tiny model (interpreter, torch, transformers).
+        tiny_checkpoint = checkpoint
+        if not self.quick:
+            self.finetune_run(
+                "export-tiny", SIZES["tiny"], "fsdp2_full_shard.yaml",
+                **{"train.max_steps": 1, "checkpoint.save_every_steps": 1},
+            )  # fmt: skip
+            tiny_checkpoint = self.work / "runs" / "export-tiny" / "checkpoints" / "step_1"
+        overhead_out = self.work / "exports" / "overhead"
+        shutil.rmtree(overhead_out, ignore_errors=True)
+        _, overhead = _timed_peak_rss(
+            [sys.executable, "-m", "finetune", "export", str(tiny_checkpoint), str(overhead_out)]
+        )
+        median = {
+            name: {key: statistics.median(r[key] for r in values) for key in values[0]}
+            for name, values in runs.items()
+        }
+        ours = median["finetune_export"]
+        return {
+            "size": size.name,
+            "runs": runs,
+            "median": median,
+            "fixed_overhead_rss_bytes": overhead,
+            "peak_over_largest_shard": (ours["peak_rss_bytes"] - overhead) / ours["largest_file_bytes"],
+            "target_peak_over_largest_shard": 1.2,
+            "time_ratio_vs_merge_weights": ours["seconds"] / median["accelerate_merge_weights"]["seconds"],
+        }
+
+
+# ---- measurement helpers ---------------------------------------------------------------------
+
+
+def _run(command: list[str]) -> None:
+    result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
+    if result.returncode != 0:
+        raise SystemExit(
+            f"bench: {' '.join(command[:6])} ... failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+        )
+
+
+def _timed_peak_rss(command: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak resident bytes of one process (and the children it waited for)."""
+    began = time.perf_counter()
+    process = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - began
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"bench: {' '.join(command[:6])} ... failed:\n{process.stderr.read().decode()[-4000:]}")
+    return seconds, usage.ru_maxrss * 1024  # Linux reports KiB
+
+
+def _metrics(path: Path) -> dict:
+    """Per-step series from a run's metrics.jsonl, and its step-1 memory report."""
+    entries = [json.loads(line) for line in path.read_text().splitlines()]
+    steps = [e for e in entries if "loss" in e]
+    memory = next(e for e in entries if "memory/rank0/parameters" in e)
+    return {
+        "loss": [e["loss"] for e in steps],
+        "step_seconds": [e["step_seconds"] for e in steps],
+        "target_tokens": [e["target_tokens"] for e in steps],
+        "checkpoint_seconds": [e["checkpoint_seconds"] for e in entries if "checkpoint_seconds" in e],
+        "memory": {k: v for k, v in memory.items() if k.startswith("memory/rank0/")},
+    }
+
+
+def _steady(values: list[float]) -> list[float]:
+    """Drop the first steps (allocations, first collectives, caches) when there are enough."""
+    return values[2:] if len(values) > 4 else values
+
+
+def _steady_median(step_seconds: list[float]) -> float:
+    return statistics.median(_steady(step_seconds))
+
+
+def _steady_rate(tokens: list[int], step_seconds: list[float]) -> float:
+    return sum(_steady(tokens)) / sum(_steady(step_seconds))
+
+
+def _ratio(
+    metric: str, a: str, a_values: list[float], b: str, b_values: list[float], target: float, size: Size
+) -> dict:
+    return {
+        "metric": metric,
+        "size": size.name,
+        "runs": {a: a_values, b: b_values},
+        "median": {a: statistics.median(a_values), b: statistics.median(b_values)},
+        "ratio": statistics.median(a_values) / statistics.median(b_values),
+        "target": target,
+    }
+
+
+def _parameters(model_dir: Path) -> int:
+    from transformers import AutoConfig
+
+    from finetune.model import meta_model
+
+    return sum(p.numel() for p in meta_model(AutoConfig.from_pretrained(model_dir)).parameters())
+
+
+def _free_port() -> int:
+    from finetune.distributed import free_port
+
+    return free_port()
+
+
+def _git(*args: str) -> str:
+    result = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+    return result.stdout.strip() or "unknown"
+
+
+# ---- reports ---------------------------------------------------------------------------------
+
+
+def markdown(results: dict) -> str:
+    """The results as the tables docs/benchmarks.md quotes."""
+    mib = 2**20
+    loop, trainer, export, save, data = (
+        results[k] for k in ("loop_overhead", "trainer", "export", "checkpoint_save", "data_pipeline")
+    )
+    lines = [
+        f"# Benchmarks {results['date']} ({results['commit']}), {results['machine']['cpus']} CPUs, "
+        f"median of {results['repeats']} interleaved repetitions{' (quick)' if results['quick'] else ''}",
+        "",
+        "| comparison | finetune | peer | ratio | target |",
+        "|---|---|---|---|---|",
+        f"| loop overhead, steps/s ({loop['size']}) | {loop['median']['finetune']:.2f} | "
+        f"{loop['median']['handwritten_fsdp2']:.2f} (hand-written FSDP2) | {loop['ratio']:.3f} | "
+        f">= {loop['target']} |",
+        f"| target tokens/s vs Trainer DDP ({trainer['size']}) | DDP {trainer['median']['finetune_ddp']:.0f}, "
+        f"FSDP2 {trainer['median']['finetune_fsdp2']:.0f} | {trainer['median']['trainer_ddp']:.0f} | "
+        f"DDP {trainer['ratio_ddp']:.2f}x, FSDP2 {trainer['ratio_fsdp2']:.2f}x | >= {trainer['target']}x |",
+        f"| export time, s ({export['size']}) | {export['median']['finetune_export']['seconds']:.1f} | "
+        f"{export['median']['accelerate_merge_weights']['seconds']:.1f} (merge-weights) | "
+        f"{export['time_ratio_vs_merge_weights']:.2f} | <= 1 |",
+        f"| export peak RSS, MiB | {export['median']['finetune_export']['peak_rss_bytes'] / mib:.0f} | "
+        f"{export['median']['accelerate_merge_weights']['peak_rss_bytes'] / mib:.0f} (merge-weights) | "
+        f"(peak - {export['fixed_overhead_rss_bytes'] / mib:.0f} MiB overhead) / largest shard "
+        f"{export['median']['finetune_export']['largest_file_bytes'] / mib:.0f} MiB = "
+        f"{export['peak_over_largest_shard']:.2f} | <= {export['target_peak_over_largest_shard']} |",
+        f"| checkpoint save, s blocked ({save['size']}) | SHARDED {save['median']['sharded']:.2f} | "
+        f"FULL {save['median']['full']:.2f} | | |",
+        f"| data pipeline, tokens/s ({data['samples']} chats) | first {data['rate']['first']:.0f}, cached "
+        f"{data['rate']['cached']:.0f} | {data['rate']['plain_batched_map']:.0f} (batched map, no masking/packing) | "
+        f"{data['ratio_first_vs_plain']:.2f} / {data['ratio_cached_vs_plain']:.2f} | |",
+        "",
+        "Scaling (global batch 16 rows x 128 tokens; rank 0 bytes measured in step 1):",
+        "",
+        "| size | params | processes | strategy | step s | params MiB | grads MiB | optimizer MiB | activations MiB "
+        "| step peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["scaling"]["rows"]:
+        mem = row["rank0_bytes"]
+        lines.append(
+            f"| {row['size']} | {row['parameters'] or 0:,} | {row['processes']} | {row['strategy']} | "
+            f"{row['step_seconds']:.3f} | {mem.get('parameters', 0) / mib:.1f} | "
+            f"{mem.get('gradients', 0) / mib:.1f} | "
+            f"{mem.get('optimizer_state', 0) / mib:.1f} | {mem.get('activations', 0) / mib:.1f} | "
+            f"{mem.get('step_peak', 0) / mib:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(curves: dict[str, list[float]], results: dict, stem: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for label, losses in curves.items():
+        axis.plot(range(1, len(losses) + 1), losses, label=label)
+    axis.set(xlabel="step", ylabel="training loss", title="Same model, data and optimizer")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(f"{stem}-loss.png", dpi=120)
+    plt.close(figure)
+
+    rows = [r for r in results["scaling"]["rows"] if r["processes"] == 2]
+    figure, axis = plt.subplots(figsize=(7, 4))
+    labels = [f"{r['size']}\n{r['strategy']}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for field in ("parameters", "gradients", "optimizer_state", "activations"):
+        values = [r["rank0_bytes"].get(field, 0) / 2**20 for r in rows]
+        axis.bar(labels, values, bottom=bottom, label=field)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    axis.set(ylabel="MiB on rank 0", title="Per-rank memory, 2 processes")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(f"{stem}-memory.png", dpi=120)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The benchmark scripts run end to end on tiny sizes. No timing is asserted: numbers only mean
+something as ratios on one quiet machine (`make bench`), never as pass/fail in a test suite."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from finetune.flops import flops_per_token, peak_flops
+
+pytestmark = pytest.mark.multiprocess
+
+
+def run_script(script: str, tmp_path) -> dict:
+    out = tmp_path / "results"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), "--quick", "--work", str(tmp_path / "work"), "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (json_file,) = out.glob("*.json")
+    assert json_file.with_suffix(".md").read_text().count("|") > 20
+    return json.loads(json_file.read_text()) | {"_files": sorted(p.name for p in out.iterdir())}
+
+
+def positive(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+def test_make_bench_runs_every_comparison(tmp_path):
+    results = run_script("run.py", tmp_path)
+    assert any(name.endswith("-loss.png") for name in results["_files"])
+    assert any(name.endswith("-memory.png") for name in results["_files"])
+    assert positive(results["loop_overhead"]["ratio"])
+    assert all(positive(v) for v in results["trainer"]["median"].values())
+    assert positive(results["export"]["median"]["finetune_export"]["peak_rss_bytes"])
+    assert positive(results["export"]["median"]["accelerate_merge_weights"]["seconds"])
+    assert results["checkpoint_save"]["runs"]["sharded"] and results["checkpoint_save"]["runs"]["full"]
+    assert {(r["processes"], r["strategy"]) for r in results["scaling"]["rows"]} == {
+        (1, "full_shard"), (1, "shard_grad_op"), (1, "single"), (2, "full_shard"), (2, "shard_grad_op"), (2, "ddp")
+    }  # fmt: skip
+    # Sharding is visible in the measured memory: full shard holds half of DDP's parameters per rank.
+    rows = {r["strategy"]: r for r in results["scaling"]["rows"] if r["processes"] == 2}
+    assert rows["full_shard"]["rank0_bytes"]["parameters"] < 0.6 * rows["ddp"]["rank0_bytes"]["parameters"]
+    assert all(positive(v) for v in results["data_pipeline"]["rate"].values())
+
+
+def test_bench_gpu_runs_on_cpu_in_quick_mode(tmp_path):
+    results = run_script("gpu.py", tmp_path)
+    assert [row["variant"] for row in results["rows"]] == ["activation checkpointing", "no activation checkpointing"]
+    assert all(positive(row["tokens_per_second_per_gpu"]) and row["mfu"] is None for row in results["rows"])
+
+
+def test_model_flops_per_token_follow_the_stated_formula():
+    from transformers import AutoConfig
+
+    from finetune.model import meta_model
+
+    configs = REPO / "recipes" / "llama" / "configs"
+    untied = meta_model(AutoConfig.from_pretrained(configs / "Llama-3.1-8B-Instruct" / "config.json"))
+    parameters = 8_030_261_248 - 128_256 * 4096  # the input embedding is a lookup
+    assert flops_per_token(untied, 2048) == 6 * parameters + 6 * 32 * 2048 * 32 * 128
+    tied = meta_model(AutoConfig.from_pretrained(configs / "Llama-3.2-1B-Instruct" / "config.json"))
+    assert flops_per_token(tied, 2048) == 6 * 1_235_814_400 + 6 * 16 * 2048 * 32 * 64  # tied: it is the head too
+    import torch
+
+    assert peak_flops(torch.device("cpu")) is None
