@@ -363,14 +363,13 @@ def _run(command: list[str]) -> None:
 
 
 def _timed_peak_rss(command: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak resident bytes of one process (and the children it waited for)."""
-    began = time.perf_counter()
-    process = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(process.pid, 0)
-    seconds = time.perf_counter() - began
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"bench: {' '.join(command[:6])} ... failed:\n{process.stderr.read().decode()[-4000:]}")
-    return seconds, usage.ru_maxrss * 1024  # Linux reports KiB
+    """Wall seconds and peak resident bytes of `command`, started from a small process (bench/peak_rss.py)."""
+    wrapper = [sys.executable, str(REPO / "bench" / "peak_rss.py"), *command]
+    result = subprocess.run(wrapper, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
+    if result.returncode != 0:
+        raise SystemExit(f"bench: {' '.join(command[:6])} ... failed:\n{result.stderr[-4000:]}")
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    return measured["seconds"], measured["peak_rss_bytes"]
 
 
 def _metrics(path: Path) -> dict:
