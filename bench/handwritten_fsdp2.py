@@ -48,6 +48,8 @@ def main(model_dir: str, rows_path: str, steps: int, micro_batch: int, out_path:
     if rank == 0:
         with open(out_path, "w") as file:
             json.dump({"step_seconds": times, "loss": losses}, file)
+    del model, optimizer
+    dist.barrier()
     dist.destroy_process_group()
 
 

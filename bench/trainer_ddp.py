@@ -10,6 +10,7 @@ time and the target (non-masked) tokens of every step, counted over all processe
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -97,10 +98,17 @@ def main(model_dir: str, data_path: str, steps: int, micro_batch: int, out_path:
         dataloader_num_workers=0,
         seed=0,
     )
-    Trainer(model=model, args=arguments, train_dataset=train, data_collator=collator, callbacks=[clock]).train()
+    trainer = Trainer(model=model, args=arguments, train_dataset=train, data_collator=collator, callbacks=[clock])
+    trainer.train()
     if dist.get_rank() == 0:
         with open(out_path, "w") as file:
             json.dump({"step_seconds": clock.step_seconds, "target_tokens": clock.target_tokens}, file)
+    # Free DDP before the group goes, with every rank in step: a rank that exits while DDP's gloo
+    # threads still run aborts ("terminate called without an active exception").
+    del trainer, model
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
