@@ -37,7 +37,9 @@ def main(model_dir: str, rows_path: str, steps: int, micro_batch: int, out_path:
         began = time.perf_counter()
         start = (step * per_step + rank * micro_batch) % (len(rows["input_ids"]) - micro_batch)
         batch = {key: value[start : start + micro_batch] for key, value in rows.items()}
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        # use_cache=False as finetune does: with a cache transformers does not read packed position_ids as
+        # sample boundaries, and attention would cross the packed samples.
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["target_ids"].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
