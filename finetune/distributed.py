@@ -26,7 +26,7 @@ from accelerate.utils import DataLoaderConfiguration, DistributedType, FullyShar
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy
 
 from finetune.errors import FinetuneError
-from finetune.launch import check_hybrid_shard_group
+from finetune.launch import check_hybrid_shard_group, hybrid_replicas
 from finetune.memory import dtype_name
 from finetune.wrap import fsdp_units, local_tensor
 
@@ -108,9 +108,8 @@ def hybrid_sizes() -> tuple[int, int] | None:
             "finetune trains with data parallelism only; set parallelism_config_tp_size, _cp_size and _sp_size to 1"
         )
     shard, replicate = sizes["dp_shard"], sizes["dp_replicate"]
-    if replicate == 1 and shard > 0 and world % shard == 0:
-        replicate = world // shard
-    if shard < 2 or world % shard or replicate * shard != world:
+    replicate, tiles = hybrid_replicas(shard, replicate, world)
+    if not tiles:
         raise FinetuneError(
             f"hybrid sharding with shard groups of dp_shard_size={shard} and dp_replicate_size={replicate} replicas "
             f"does not tile the {world} launched processes ({replicate} x {shard} = {replicate * shard}); "

@@ -132,6 +132,18 @@ def _strategy(raw: dict, fsdp: dict, fsdp_version: int) -> str:
     return strategy if strategy in STRATEGIES else "full_shard"
 
 
+def hybrid_replicas(shard: int, replicate: int, processes: int) -> tuple[int, bool]:
+    """Replicas of a hybrid-sharding launch, and whether its shard groups tile the processes.
+
+    A replicate size left at 1 follows from the launch (processes / shard), so one config file
+    serves any node count; shard groups need at least 2 processes (accelerate has no shard dimension
+    otherwise) and must divide the process count.
+    """
+    if replicate == 1 and shard > 0 and processes % shard == 0:
+        replicate = processes // shard
+    return replicate, not (shard < 2 or processes % shard or replicate * shard != processes)
+
+
 def _hybrid_shard_size(raw: dict) -> int | None:
     parallelism = raw.get("parallelism_config") or {}
     return int(parallelism.get("parallelism_config_dp_shard_size", 1)) if parallelism else None
@@ -165,8 +177,7 @@ def launch_problems(launch: Launch, raw: dict, environ: Mapping[str, str], for_l
     if launch.hybrid_shard_size is not None:
         shard = launch.hybrid_shard_size
         replicate = int(raw["parallelism_config"].get("parallelism_config_dp_replicate_size", 1))
-        replicate = processes // shard if replicate == 1 and shard > 0 else replicate
-        if shard < 2 or processes % shard or replicate * shard != processes:
+        if not hybrid_replicas(shard, replicate, processes)[1]:
             problems.append(
                 f"hybrid sharding with shard groups of dp_shard_size={shard} processes does not divide "
                 f"NUM_PROCESSES={processes} into whole replicas ({processes} / {shard} = "
