@@ -4,7 +4,8 @@ A checkpoint is `<output.dir>/checkpoints/step_<N>/`: what `accelerator.save_sta
 and optimizer as torch.distributed.checkpoint shards or full state dicts, as the accelerate config's
 state-dict type says; RNG states), plus `trainer_state.json` (step, data position, LR scheduler
 state), the resolved recipe, and `hf/` (config, generation config and tokenizer files, so that
-`finetune export` needs nothing but the checkpoint). It is written as `step_<N>.partial/` and
+`finetune export` needs nothing but the checkpoint), and `tensor_names.json` (the model's
+state-dict names, tied ones grouped, so that the export needs no model code). It is written as `step_<N>.partial/` and
 renamed when complete, with the marker file written last, so a save that dies halfway never looks
 complete and never replaces the previous checkpoint.
 """
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate import Accelerator
 
 from finetune.config import RecipeConfig, save_recipe
@@ -30,6 +32,7 @@ logger = logging.getLogger("finetune")
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 MODEL_FILES = "hf"
+TENSOR_NAMES = "tensor_names.json"
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,15 @@ def find_checkpoint(path: Path) -> Path:
     )
 
 
+def tensor_names(model: torch.nn.Module) -> list[list[str]]:
+    """The model's state-dict names, one group per tensor: a tied parameter is one group of several
+    names, the first being the one transformers saves (the input embedding)."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+    return list(groups.values())
+
+
 def save_checkpoint(
     accelerator: Accelerator,
     output_dir: Path,
@@ -101,10 +113,12 @@ def save_checkpoint(
     recipe: RecipeConfig,
     keep_last: int,
     write_model_files: Callable[[Path], None],
+    names: list[list[str]],
 ) -> Path:
     """Write `step_<N>` atomically on every process (collective), then prune to the newest `keep_last`.
 
-    `write_model_files(folder)` writes the config, generation config and tokenizer files there.
+    `write_model_files(folder)` writes the config, generation config and tokenizer files there;
+    `names` are the model's `tensor_names`, taken before FSDP wrapped it.
     """
     root = checkpoints_root(output_dir)
     final = root / f"step_{state.step}"
@@ -119,6 +133,7 @@ def save_checkpoint(
         (partial / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
         save_recipe(recipe, partial / "recipe.yaml")
         write_model_files(partial / MODEL_FILES)
+        (partial / TENSOR_NAMES).write_text(json.dumps(names))
         _write_synced(partial / MARKER, f"step {state.step}\n")
         shutil.rmtree(final, ignore_errors=True)  # a complete checkpoint of the same step from an earlier run
         os.replace(partial, final)

@@ -39,10 +39,12 @@ def main(argv: list[str] | None = None) -> int:
             report = plan if args.command == "plan" else check
             print(report(recipe, launch, parse_memory(args.gpu_memory)))
         elif args.command == "export":
-            from finetune.export import export_checkpoint
-            from finetune.model import DTYPES
+            import torch
 
-            dtype = DTYPES[EXPORT_DTYPES[args.dtype]] if args.dtype else None
+            # Not finetune.model: importing the transformers model classes would add a second to every export.
+            from finetune.export import export_checkpoint
+
+            dtype = getattr(torch, EXPORT_DTYPES[args.dtype]) if args.dtype else None
             out = export_checkpoint(
                 Path(args.checkpoint), Path(args.out), dtype=dtype, max_shard_size=args.max_shard_size,
                 overwrite=args.overwrite,

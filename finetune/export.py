@@ -1,9 +1,9 @@
 """Export a checkpoint as a Hugging Face model folder with consolidated safetensors weights.
 
-One process, no torch.distributed: the weights are read from the checkpoint a few tensors at a
-time (torch.distributed.checkpoint partial loads for SHARDED checkpoints, memory-mapped reads for
-FULL ones) and written one output shard at a time, so peak memory stays about one output shard
-whatever the model size, and no training process waits on a gather while it runs.
+One process, no torch.distributed: the weights are read from the checkpoint straight into the
+output shard being assembled (torch.distributed.checkpoint partial loads for SHARDED checkpoints,
+memory-mapped reads for FULL ones) and written one output shard at a time, so peak memory stays
+about one output shard whatever the model size, and no training process waits on a gather.
 
 The folder is what `AutoModelForCausalLM.from_pretrained` expects: config.json (stating the
 exported dtype), generation_config.json, the tokenizer files, and `model.safetensors` or
@@ -30,16 +30,17 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from transformers import AutoConfig, AutoModelForCausalLM
 
-from finetune.checkpoint import MODEL_FILES, find_checkpoint
+from finetune.checkpoint import MODEL_FILES, TENSOR_NAMES, find_checkpoint, tensor_names
 from finetune.errors import FinetuneError, first_line
 
 # Wrapper prefixes that FSDP1, activation checkpointing, torch.compile and DDP add to parameter names.
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 # Tensors read together from the checkpoint, as a fraction of the output shard size: this bounds
-# the extra memory of reading in the checkpoint's dtype (fp32) before converting (to bf16).
+# the memory a read holds besides the shard (pieces as saved, copies in the checkpoint's dtype).
 _READ_FRACTION = 10
+# Offsets of the tensors inside a shard's buffer: any dtype can view memory aligned like this.
+_ALIGN = 64
 
 
 def export_checkpoint(
@@ -59,8 +60,7 @@ def export_checkpoint(
     checkpoint = find_checkpoint(checkpoint)
     _check_out_dir(out_dir, overwrite)
     weights = open_weights(checkpoint)
-    config = AutoConfig.from_pretrained(checkpoint / MODEL_FILES)
-    names = _export_names(config, weights, checkpoint)
+    names = _export_names(weights, checkpoint)
     dtype = dtype or weights.training_dtype()
     layout = {
         name: torch.empty(weights.shapes[source], dtype=_target_dtype(weights.dtypes[source], dtype), device="meta")
@@ -70,16 +70,13 @@ def export_checkpoint(
     partial = _make_partial(out_dir)
     try:
         shutil.copytree(checkpoint / MODEL_FILES, partial, dirs_exist_ok=True)  # tokenizer, configs
-        config.dtype = dtype  # config.json states the dtype of these weights, so dtype="auto" loads them as saved
-        config.save_pretrained(partial)
+        _state_dtype(partial / "config.json", dtype)
         largest_shard = max(_nbytes(layout, names) for names in split.filename_to_tensors.values())
         read_budget = max(largest_shard // _READ_FRACTION, 1)
         for filename, shard_names in split.filename_to_tensors.items():
-            shard: dict[str, torch.Tensor] = {}
-            for group in _read_groups(shard_names, layout, read_budget):
-                loaded = _read(weights, [names[name] for name in group], checkpoint)
-                for name in group:
-                    shard[name] = loaded.pop(names[name]).to(layout[name].dtype).contiguous()
+            shard = _allocate(layout, shard_names)
+            for group in _read_groups(shard_names, layout, weights, names, read_budget):
+                _read_into(weights, {names[name]: shard[name] for name in group}, checkpoint)
             save_file(shard, partial / filename, metadata={"format": "pt"})
             del shard
         if split.is_sharded:
@@ -99,8 +96,8 @@ class CheckpointWeights(ABC):
         self.shapes, self.dtypes = shapes, dtypes
 
     @abstractmethod
-    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """These tensors, in the checkpoint's dtype, in memory."""
+    def read_into(self, targets: dict[str, torch.Tensor]) -> None:
+        """Fill each target (by checkpoint name) with that tensor's values, cast to the target's dtype."""
 
     def training_dtype(self) -> torch.dtype:
         """The floating dtype holding most of the parameters: what the run trained in."""
@@ -124,12 +121,20 @@ class _ShardedWeights(CheckpointWeights):
             {name: metadata[key].properties.dtype for name, key in self.keys.items()},
         )
 
-    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        wanted = {self.keys[name]: torch.empty(self.shapes[name], dtype=self.dtypes[name]) for name in names}
+    def read_into(self, targets: dict[str, torch.Tensor]) -> None:
+        # DCP copies each saved piece straight into its destination; only a target of another dtype
+        # than the checkpoint's needs a buffer in the checkpoint's dtype, cast afterwards.
+        buffers = {
+            name: target if target.dtype == self.dtypes[name] else torch.empty_like(target, dtype=self.dtypes[name])
+            for name, target in targets.items()
+        }
         with warnings.catch_warnings():  # "torch.distributed is disabled": one process is the point here
             warnings.simplefilter("ignore", UserWarning)
+            wanted = {self.keys[name]: buffer for name, buffer in buffers.items()}
             dcp.load(wanted, storage_reader=self.reader, no_dist=True)  # reads only these tensors' bytes
-        return {name: wanted[self.keys[name]] for name in names}
+        for name, target in targets.items():
+            if buffers[name] is not target:
+                target.copy_(buffers[name])
 
 
 class _TorchFileWeights(CheckpointWeights):
@@ -142,8 +147,9 @@ class _TorchFileWeights(CheckpointWeights):
             {name: t.shape for name, t in self.tensors.items()}, {name: t.dtype for name, t in self.tensors.items()}
         )
 
-    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        return {name: self.tensors[name] for name in names}  # pages are read when converted or written
+    def read_into(self, targets: dict[str, torch.Tensor]) -> None:
+        for name, target in targets.items():
+            target.copy_(self.tensors[name])  # the file's pages are read here
 
 
 class _SafetensorsWeights(CheckpointWeights):
@@ -162,13 +168,11 @@ class _SafetensorsWeights(CheckpointWeights):
                     dtypes[name] = _SAFETENSORS_DTYPES[view.get_dtype()]
         super().__init__(shapes, dtypes)
 
-    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        out = {}
-        for name in names:
+    def read_into(self, targets: dict[str, torch.Tensor]) -> None:
+        for name, target in targets.items():
             path, key = self.files[name]
             with safe_open(path, framework="pt") as f:
-                out[name] = f.get_tensor(key)
-        return out
+                target.copy_(f.get_tensor(key))
 
 
 _SAFETENSORS_DTYPES = {
@@ -227,47 +231,65 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _export_names(config, weights: CheckpointWeights, checkpoint: Path) -> dict[str, str]:
-    """Exported name -> checkpoint name, for every tensor of the model `config` describes.
+def _export_names(weights: CheckpointWeights, checkpoint: Path) -> dict[str, str]:
+    """Exported name -> checkpoint name, for every tensor of the model.
 
-    The model is built on the meta device (no memory) to learn the names from_pretrained loads.
-    A tied parameter has several names; it is exported once, under the first (the input
+    The model's names are those training saved with the checkpoint (the names from_pretrained
+    loads, tied ones grouped) or, for a checkpoint without them, those of the model its config
+    describes. A tied parameter has several names; it is exported once, under the first (the input
     embedding, as transformers saves it), from whichever of its names the checkpoint holds.
     """
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    aliases: dict[int, list[str]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        aliases.setdefault(id(tensor), []).append(name)
+    saved = checkpoint / TENSOR_NAMES
+    groups = json.loads(saved.read_text()) if saved.is_file() else _model_tensor_names(checkpoint / MODEL_FILES)
+    described = TENSOR_NAMES if saved.is_file() else f"{MODEL_FILES}/config.json"
     names, missing = {}, []
-    for group in aliases.values():
+    for group in groups:
         source = next((name for name in group if name in weights.shapes), None)
         if source is None:
             missing.append(group[0])
         else:
             names[group[0]] = source
-    known = {name for group in aliases.values() for name in group}
+    known = {name for group in groups for name in group}
     unexpected = sorted(set(weights.shapes) - known)
     if missing or unexpected:
         listed = f"missing: {', '.join(missing[:5]) or 'none'}; unexpected: {', '.join(unexpected[:5]) or 'none'}"
         raise FinetuneError(
-            f"checkpoint {checkpoint} does not match the {type(model).__name__} its {MODEL_FILES}/config.json "
-            f"describes ({listed}); export a checkpoint written by `finetune train` for this model"
+            f"checkpoint {checkpoint} does not hold the tensors of the model its {described} describes ({listed}); "
+            "export a checkpoint written by `finetune train`, unmodified"
         )
     return names
 
 
-def _read(weights: CheckpointWeights, names: list[str], checkpoint: Path) -> dict[str, torch.Tensor]:
+def _model_tensor_names(model_files: Path) -> list[list[str]]:
+    """The `tensor_names` of the model `model_files`/config.json describes, built on the meta device.
+
+    transformers is imported here, not at the top: with its model classes it takes over a second,
+    which every export of a checkpoint that carries its names is spared."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return tensor_names(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_files)))
+
+
+def _state_dtype(config_file: Path, dtype: torch.dtype) -> None:
+    """Make config.json state the dtype of the exported weights, so that from_pretrained(dtype="auto")
+    loads them as saved. The file was written by the training's save_pretrained; only this key changes."""
+    config = json.loads(config_file.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _read_into(weights: CheckpointWeights, targets: dict[str, torch.Tensor], checkpoint: Path) -> None:
     try:
-        return weights.read(names)
+        weights.read_into(targets)
     except FinetuneError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException; others vary
         if isinstance(exc, CheckpointException):  # it wraps the reader's own exception
             exc = next(iter(exc.failures.values()))[0]
         raise FinetuneError(
-            f"cannot read {names[0]} from checkpoint {checkpoint} ({first_line(exc)}); its files are damaged or "
-            "incomplete: export an earlier checkpoint"
+            f"cannot read {next(iter(targets))} from checkpoint {checkpoint} ({first_line(exc)}); its files are "
+            "damaged or incomplete: export an earlier checkpoint"
         ) from None
 
 
@@ -276,12 +298,40 @@ def _target_dtype(stored: torch.dtype, requested: torch.dtype) -> torch.dtype:
     return requested if stored.is_floating_point else stored
 
 
-def _read_groups(names: list[str], layout: dict[str, torch.Tensor], budget: int) -> Iterator[list[str]]:
-    """Consecutive groups of `names` of at most `budget` bytes each (a larger tensor forms a group alone)."""
+def _allocate(layout: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """Empty tensors for one output shard, all views of one buffer.
+
+    One allocation per shard, rather than one per tensor, because malloc serves tensors below its
+    (self-adjusting, up to 32 MB) mmap threshold from the heap: freed, they stay in the process as
+    fragments the next shard cannot all reuse, and the peak grew to nearly twice a shard. A buffer
+    of a whole shard is mapped and unmapped as one, so each shard's memory is returned once written.
+    """
+    offsets, end = [], 0
+    for name in names:
+        offsets.append(end)
+        end += -(-_nbytes(layout, [name]) // _ALIGN) * _ALIGN
+    buffer = torch.empty(end, dtype=torch.uint8)
+    return {
+        name: buffer[offset : offset + _nbytes(layout, [name])].view(layout[name].dtype).view(layout[name].shape)
+        for name, offset in zip(names, offsets, strict=True)
+    }
+
+
+def _read_groups(
+    names: list[str], layout: dict[str, torch.Tensor], weights: CheckpointWeights, sources: dict[str, str], budget: int
+) -> Iterator[list[str]]:
+    """`names` in groups of at most `budget` bytes in the checkpoint (a larger tensor forms a group
+    alone), largest first.
+
+    Reading a tensor holds one of its saved pieces in memory besides the shard (and, when cast, a
+    copy in the checkpoint's dtype): reading the large ones first, while the shard is still mostly
+    empty (its pages are touched only when filled), keeps the peak near the shard's size.
+    """
     group: list[str] = []
     size = 0
-    for name in names:
-        nbytes = layout[name].numel() * 4  # checkpoints hold at most 4 bytes per element (fp32)
+    for name in sorted(names, key=lambda n: layout[n].numel() * weights.dtypes[sources[n]].itemsize, reverse=True):
+        source = sources[name]
+        nbytes = layout[name].numel() * weights.dtypes[source].itemsize
         if group and size + nbytes > budget:
             yield group
             group, size = [], 0

@@ -34,6 +34,7 @@ from finetune.checkpoint import (
     load_checkpoint,
     resolve_resume,
     save_checkpoint,
+    tensor_names,
 )
 from finetune.config import RecipeConfig, save_recipe
 from finetune.data import IGNORE, Data, build_data
@@ -85,6 +86,7 @@ class Run:
     max_steps: int
     output_dir: Path
     write_model_files: Callable[[Path], None]
+    tensor_names: list[list[str]]
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,7 @@ def train(recipe: RecipeConfig) -> TrainResult:
     # start on the meta device and receive them from rank 0 while the model is sharded.
     started_on_meta = rank_zero_loading() and not accelerator.is_main_process
     model = load_model(recipe.model, recipe.train.activation_checkpointing, read_weights=not started_on_meta)
+    names = tensor_names(model)  # before FSDP renames or flattens anything; saved with every checkpoint
     data = build_data(
         recipe.data, tokenizer, accelerator, seed=recipe.train.seed, micro_batch_size=recipe.train.micro_batch_size
     )
@@ -133,7 +136,7 @@ def train(recipe: RecipeConfig) -> TrainResult:
     write_model_files = functools.partial(save_model_files, accelerator.unwrap_model(model), tokenizer)
     run = Run(
         recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, max_steps, output_dir,
-        write_model_files,
+        write_model_files, names,
     )  # fmt: skip
     start = TrainerState(0, 0, 0, accelerator.num_processes, recipe.model.name_or_path)
     if resume_from is not None:
@@ -227,8 +230,9 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
                 )
                 began = time.perf_counter()
                 save_checkpoint(
-                    accelerator, run.output_dir, state, recipe, recipe.checkpoint.keep_last, run.write_model_files
-                )
+                    accelerator, run.output_dir, state, recipe, recipe.checkpoint.keep_last, run.write_model_files,
+                    run.tensor_names,
+                )  # fmt: skip
                 # How long training stood still for this save (saves are synchronous on every rank);
                 # kept out of the next logged step time.
                 saving = time.perf_counter() - began

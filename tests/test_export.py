@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from finetune.checkpoint import MARKER, MODEL_FILES
+from finetune.checkpoint import MARKER, MODEL_FILES, TENSOR_NAMES
 from finetune.loop import FINAL_LOGITS
 
 pytestmark = pytest.mark.multiprocess
@@ -146,3 +146,34 @@ def test_a_tampered_checkpoint_is_refused_not_unpickled(fsdp2_run, tmp_path):
     result = export(checkpoint, tmp_path / "out")
     assert result.returncode == 2 and "refusing to load it" in result.stderr
     assert not witness.exists() and not (tmp_path / "out").exists()
+
+
+def test_checkpoints_carry_the_models_tensor_names_and_export_without_them_alike(gpt2_run, tmp_path):
+    """Training saves the model's names (tied ones grouped) with each checkpoint, so the export needs no
+    model code; a checkpoint without them is exported from the model its config describes, identically."""
+    checkpoint = last_checkpoint(gpt2_run)
+    groups = json.loads((checkpoint / TENSOR_NAMES).read_text())
+    assert ["transformer.wte.weight", "lm_head.weight"] in groups  # tied: one tensor, saved under wte
+    assert all(len(group) == 1 for group in groups if "lm_head.weight" not in group)
+
+    bare = tmp_path / checkpoint.name
+    shutil.copytree(checkpoint, bare)
+    (bare / TENSOR_NAMES).unlink()
+    for source, out in ((checkpoint, tmp_path / "with_names"), (bare, tmp_path / "from_config")):
+        result = export(source, out)
+        assert result.returncode == 0, result.stderr[-3000:]
+    with_names, from_config = (load_file(tmp_path / o / "model.safetensors") for o in ("with_names", "from_config"))
+    assert with_names.keys() == from_config.keys() and "lm_head.weight" not in with_names
+    assert all(torch.equal(with_names[name], from_config[name]) for name in with_names)
+
+
+def test_a_checkpoint_that_does_not_hold_its_models_tensors_is_refused(fsdp2_run, tmp_path):
+    checkpoint = tmp_path / "step_16"
+    shutil.copytree(last_checkpoint(fsdp2_run), checkpoint)
+    groups = json.loads((checkpoint / TENSOR_NAMES).read_text())
+    (checkpoint / TENSOR_NAMES).write_text(json.dumps([["model.extra.weight"], *groups[1:]]))
+    result = export(checkpoint, tmp_path / "out")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"does not hold the tensors of the model its {TENSOR_NAMES} describes" in result.stderr
+    assert "missing: model.extra.weight; unexpected: model.embed_tokens.weight" in result.stderr
+    assert not (tmp_path / "out").exists() and "Traceback" not in result.stderr
