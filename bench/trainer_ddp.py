@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 bench/trainer_ddp.py MODEL_DIR DATA.jsonl STEPS MICRO_BATCH OUT.json
 
 Trainer cannot run FSDP on CPU, so it runs DDP (its CPU default over gloo). Samples are tokenized
-and masked exactly as finetune does (`finetune.data.encode_chat`: loss on assistant turns only)
+and masked exactly as finetune does (`finetune.data.encode_chats`: loss on assistant turns only)
 and padded per batch to the longest sample, as Trainer's usual collator does. It writes the wall
 time and the target (non-masked) tokens of every step, counted over all processes.
 """
@@ -27,7 +27,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from finetune.data import encode_chat
+from finetune.data import encode_chats
 
 
 class StepClock(TrainerCallback):
@@ -66,20 +66,20 @@ class CountingCollator(DataCollatorForSeq2Seq):
         return count
 
 
-def encode(example: dict, tokenizer) -> dict:
-    ids, trained = encode_chat(example["messages"], tokenizer, completion_only=True)
-    # Trainer's causal LM loss shifts labels itself: label i is the target of position i - 1.
-    return {
-        "input_ids": ids,
-        "attention_mask": [1] * len(ids),
-        "labels": [t if m else -100 for t, m in zip(ids, trained, strict=True)],
-    }
+def encode(batch: dict, tokenizer) -> dict:
+    out: dict[str, list] = {"input_ids": [], "attention_mask": [], "labels": []}
+    for ids, trained in encode_chats(batch["messages"], tokenizer, completion_only=True):
+        out["input_ids"].append(ids)
+        out["attention_mask"].append([1] * len(ids))
+        # Trainer's causal LM loss shifts labels itself: label i is the target of position i - 1.
+        out["labels"].append([t if m else -100 for t, m in zip(ids, trained, strict=True)])
+    return out
 
 
 def main(model_dir: str, data_path: str, steps: int, micro_batch: int, out_path: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     raw = datasets.load_dataset("json", data_files=data_path, split="train")
-    train = raw.map(encode, fn_kwargs={"tokenizer": tokenizer}, remove_columns=raw.column_names)
+    train = raw.map(encode, fn_kwargs={"tokenizer": tokenizer}, batched=True, remove_columns=raw.column_names)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     collator = CountingCollator(tokenizer, padding="longest", label_pad_token_id=-100)
     clock = StepClock(collator)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import pyarrow.compute
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
@@ -74,63 +75,85 @@ def detect_format(columns: list[str], requested: str) -> str:
     raise FinetuneError(f"dataset has columns {columns}, expected {expected}; rename the columns{hint}")
 
 
-def encode_chat(
-    messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase, completion_only: bool
-) -> tuple[list[int], list[bool]]:
-    """Render `messages` with the chat template; mark the assistant turns (with their end-of-turn) as trained.
+def encode_chats(
+    conversations: list[list[dict[str, str]]], tokenizer: PreTrainedTokenizerBase, completion_only: bool
+) -> list[tuple[list[int], list[bool]]]:
+    """Render each conversation with the chat template; mark the assistant turns (with their end-of-turn) as trained.
 
     Assistant spans are found in characters, by rendering each conversation prefix, and mapped to
     tokens through the fast tokenizer's offsets, so merges across turn boundaries cannot shift them.
+    The texts are tokenized in one call, which the fast tokenizer spreads over its threads.
     """
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    texts = [tokenizer.apply_chat_template(messages, tokenize=False) for messages in conversations]
+    encodings = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=completion_only)
     if not completion_only:
-        return encoding["input_ids"], [True] * len(encoding["input_ids"])
+        return [(ids, [True] * len(ids)) for ids in encodings["input_ids"]]
+    encoded = []
+    for messages, text, ids, offsets in zip(
+        conversations, texts, encodings["input_ids"], encodings["offset_mapping"], strict=True
+    ):
+        spans = _assistant_spans(messages, text, tokenizer)
+        encoded.append((ids, [any(lo <= start < hi for lo, hi in spans) for start, _ in offsets]))
+    return encoded
+
+
+def _assistant_spans(
+    messages: list[dict[str, str]], text: str, tokenizer: PreTrainedTokenizerBase
+) -> list[tuple[int, int]]:
+    """Character spans of the assistant turns in `text`, the rendered conversation."""
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        # Through the last message is the whole conversation: one render fewer per sample.
+        through = text if i == len(messages) - 1 else tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         if not (text.startswith(before) and text.startswith(through)):
             raise FinetuneError(
                 "this tokenizer's chat template renders a conversation differently from its prefixes, so assistant "
                 "tokens cannot be located; set data.completion_only_loss=false"
             )
         spans.append((len(before), len(through)))
-    trained = [any(lo <= start < hi for lo, hi in spans) for start, _ in encoding["offset_mapping"]]
-    return encoding["input_ids"], trained
+    return spans
 
 
-def encode_prompt_completion(
-    prompt: str, completion: str, tokenizer: PreTrainedTokenizerBase, completion_only: bool
-) -> tuple[list[int], list[bool]]:
+def encode_prompt_completions(
+    prompts: list[str], completions: list[str], tokenizer: PreTrainedTokenizerBase, completion_only: bool
+) -> list[tuple[list[int], list[bool]]]:
     """Prompt tokens (with the tokenizer's BOS if it adds one), then completion tokens and EOS."""
-    prompt_ids = tokenizer(prompt)["input_ids"]
-    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return prompt_ids + completion_ids, [not completion_only] * len(prompt_ids) + [True] * len(completion_ids)
+    prompt_ids = tokenizer(prompts)["input_ids"]
+    eos = [tokenizer.eos_token_id]
+    completion_ids = [ids + eos for ids in tokenizer(completions, add_special_tokens=False)["input_ids"]]
+    return [
+        (prompt + completion, [not completion_only] * len(prompt) + [True] * len(completion))
+        for prompt, completion in zip(prompt_ids, completion_ids, strict=True)
+    ]
 
 
-def encode_text(text: str, tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[bool]]:
+def encode_texts(texts: list[str], tokenizer: PreTrainedTokenizerBase) -> list[tuple[list[int], list[bool]]]:
     """Plain text, all tokens trained, ending with EOS."""
-    ids = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
-    return ids, [True] * len(ids)
+    return [(ids + [tokenizer.eos_token_id], [True] * (len(ids) + 1)) for ids in tokenizer(texts)["input_ids"]]
 
 
-def _tokenize_example(
-    example: dict[str, Any], *, tokenizer: PreTrainedTokenizerBase, fmt: str, max_length: int, completion_only: bool
-) -> dict[str, Any]:
+def _tokenize_batch(
+    batch: dict[str, list], *, tokenizer: PreTrainedTokenizerBase, fmt: str, max_length: int, completion_only: bool
+) -> dict[str, list]:
     if fmt == "chat":
-        ids, trained = encode_chat(example["messages"], tokenizer, completion_only)
+        encoded = encode_chats(batch["messages"], tokenizer, completion_only)
     elif fmt == "prompt_completion":
-        ids, trained = encode_prompt_completion(example["prompt"], example["completion"], tokenizer, completion_only)
+        encoded = encode_prompt_completions(batch["prompt"], batch["completion"], tokenizer, completion_only)
     else:
-        ids, trained = encode_text(example["text"], tokenizer)
-    truncated = len(ids) > max_length
-    ids, trained = ids[:max_length], trained[:max_length]
-    # target_ids[i] is the token after input_ids[i] when that token is trained; the last has no successor.
-    targets = [ids[i + 1] if trained[i + 1] else IGNORE for i in range(len(ids) - 1)] + [IGNORE]
-    return {"input_ids": ids, "target_ids": targets, "truncated": truncated}
+        encoded = encode_texts(batch["text"], tokenizer)
+    out: dict[str, list] = {"input_ids": [], "target_ids": [], "truncated": [], "num_targets": []}
+    for ids, trained in encoded:
+        out["truncated"].append(len(ids) > max_length)
+        ids, trained = ids[:max_length], trained[:max_length]
+        # target_ids[i] is the token after input_ids[i] when that token is trained; the last has no successor.
+        targets = [ids[i + 1] if trained[i + 1] else IGNORE for i in range(len(ids) - 1)] + [IGNORE]
+        out["input_ids"].append(ids)
+        out["target_ids"].append(targets)
+        out["num_targets"].append(sum(target != IGNORE for target in targets))
+    return out
 
 
 def tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> datasets.Dataset:
@@ -139,13 +162,13 @@ def tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg:
         raise FinetuneError("the dataset is empty; point data.train_path at a file with samples")
     fmt = detect_format(dataset.column_names, cfg.format)
     encode = functools.partial(
-        _tokenize_example,
+        _tokenize_batch,
         tokenizer=tokenizer,
         fmt=fmt,
         max_length=cfg.max_length,
         completion_only=cfg.completion_only_loss and fmt != "text",
     )
-    return dataset.map(encode, remove_columns=dataset.column_names, desc=f"tokenizing ({fmt})")
+    return dataset.map(encode, batched=True, remove_columns=dataset.column_names, desc=f"tokenizing ({fmt})")
 
 
 def pack(dataset: datasets.Dataset, max_length: int, pad_id: int) -> datasets.Dataset:
@@ -180,9 +203,9 @@ def _pack_batch(batch: dict[str, list], *, max_length: int, pad_id: int) -> dict
         if len(ids) + len(sample_ids) > max_length:
             flush()
             ids, targets, positions = [], [], []
-        ids = ids + sample_ids
-        targets = targets + sample_targets
-        positions = positions + list(range(len(sample_ids)))
+        ids.extend(sample_ids)
+        targets.extend(sample_targets)
+        positions.extend(range(len(sample_ids)))
     if ids:
         flush()
     return rows
@@ -213,14 +236,18 @@ def prepare_split(
 ) -> tuple[datasets.Dataset, DataStats]:
     """Tokenize, drop samples left with nothing to train on, and pack (after a seeded shuffle) if asked."""
     tokenized = tokenize(raw, tokenizer, cfg)
-    kept = tokenized.filter(lambda targets: any(t != IGNORE for t in targets), input_columns="target_ids")
+    kept = tokenized.filter(lambda counts: [n > 0 for n in counts], input_columns="num_targets", batched=True)
     rows = pack(kept.shuffle(seed=seed), cfg.max_length, tokenizer.pad_token_id) if cfg.packing else kept
+    # Counted in Arrow, without turning every sample into Python lists.
+    table = tokenized.with_format("arrow")[:]
+    num_targets = table["num_targets"].to_numpy()
+    lengths = pyarrow.compute.list_value_length(table["input_ids"]).to_numpy()
     stats = DataStats(
         num_samples=len(tokenized),
-        num_truncated=sum(tokenized["truncated"]),
+        num_truncated=int(pyarrow.compute.sum(table["truncated"]).as_py() or 0),
         num_dropped=len(tokenized) - len(kept),
-        num_tokens=sum(len(ids) for ids in kept["input_ids"]),
-        num_target_tokens=sum(sum(t != IGNORE for t in targets) for targets in kept["target_ids"]),
+        num_tokens=int(lengths[num_targets > 0].sum()),
+        num_target_tokens=int(num_targets.sum()),
         num_rows=len(rows),
     )
     return rows, stats

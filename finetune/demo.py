@@ -17,7 +17,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from finetune.data import IGNORE, encode_chat
+from finetune.data import IGNORE, encode_chats
 from finetune.errors import FinetuneError
 
 NUM_TRAIN, NUM_EVAL, NUM_TEST = 6000, 200, 200
@@ -134,8 +134,7 @@ def report(workdir: str, output_dir: str = "outputs/demo/run") -> None:
 @torch.no_grad()
 def _answer_loss(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, examples: list[dict]) -> float:
     total, count = 0.0, 0
-    for example in examples:
-        ids, trained = encode_chat(example["messages"], tokenizer, completion_only=True)
+    for ids, trained in encode_chats([example["messages"] for example in examples], tokenizer, completion_only=True):
         targets = [ids[i + 1] if trained[i + 1] else IGNORE for i in range(len(ids) - 1)] + [IGNORE]
         logits = model(input_ids=torch.tensor([ids])).logits[0]
         targets = torch.tensor(targets)

@@ -9,12 +9,12 @@ from transformers import AutoTokenizer
 from finetune.config import DataConfig
 from finetune.data import (
     IGNORE,
-    _tokenize_example,
+    _tokenize_batch,
     collate_padded,
     detect_format,
-    encode_chat,
-    encode_prompt_completion,
-    encode_text,
+    encode_chats,
+    encode_prompt_completions,
+    encode_texts,
     load_split,
     pack,
     prepare_split,
@@ -40,30 +40,32 @@ def test_chat_trains_every_assistant_turn_with_its_end_token(tokenizer):
     messages = chat(
         ("system", "be brief"), ("user", "reverse: 1 2"), ("assistant", "2 1"), ("user", "again"), ("assistant", "1 2")
     )
-    ids, trained = encode_chat(messages, tokenizer, completion_only=True)
+    (ids, trained), (single_ids, single_trained) = encode_chats([messages, messages[:3]], tokenizer, True)
     assert trained_text(tokenizer, ids, trained) == "2 1<|end|>1 2<|end|>"
-    ids_all, trained_all = encode_chat(messages, tokenizer, completion_only=False)
+    assert trained_text(tokenizer, single_ids, single_trained) == "2 1<|end|>"
+    [(ids_all, trained_all)] = encode_chats([messages], tokenizer, completion_only=False)
     assert ids_all == ids and all(trained_all)
 
 
 def test_prompt_completion_trains_completion_and_eos(tokenizer):
-    ids, trained = encode_prompt_completion("reverse: 3 4", " 4 3", tokenizer, completion_only=True)
+    [(ids, trained)] = encode_prompt_completions(["reverse: 3 4"], [" 4 3"], tokenizer, completion_only=True)
     assert trained_text(tokenizer, ids, trained) == " 4 3<|end|>"
     assert ids[0] == tokenizer.bos_token_id or tokenizer.bos_token_id not in ids
-    _, trained_all = encode_prompt_completion("reverse: 3 4", " 4 3", tokenizer, completion_only=False)
+    [(_, trained_all)] = encode_prompt_completions(["reverse: 3 4"], [" 4 3"], tokenizer, completion_only=False)
     assert all(trained_all)
 
 
 def test_text_trains_everything_and_ends_with_eos(tokenizer):
-    ids, trained = encode_text("1 2 3", tokenizer)
+    [(ids, trained)] = encode_texts(["1 2 3"], tokenizer)
     assert all(trained) and ids[-1] == tokenizer.eos_token_id
 
 
 def test_targets_are_next_tokens_within_the_sample(tokenizer):
-    example = {"messages": chat(("user", "reverse: 1 2 3"), ("assistant", "3 2 1"))}
-    row = _tokenize_example(example, tokenizer=tokenizer, fmt="chat", max_length=64, completion_only=True)
-    ids, targets = row["input_ids"], row["target_ids"]
-    assert len(ids) == len(targets) and targets[-1] == IGNORE and not row["truncated"]
+    batch = {"messages": [chat(("user", "reverse: 1 2 3"), ("assistant", "3 2 1"))]}
+    row = _tokenize_batch(batch, tokenizer=tokenizer, fmt="chat", max_length=64, completion_only=True)
+    [ids], [targets] = row["input_ids"], row["target_ids"]
+    assert len(ids) == len(targets) and targets[-1] == IGNORE and row["truncated"] == [False]
+    assert row["num_targets"] == [sum(t != IGNORE for t in targets)]
     for i, target in enumerate(targets[:-1]):
         assert target in (IGNORE, ids[i + 1])
     assert tokenizer.decode([t for t in targets if t != IGNORE]) == "3 2 1<|end|>"
