@@ -71,7 +71,7 @@ def export_checkpoint(
     try:
         shutil.copytree(checkpoint / MODEL_FILES, partial, dirs_exist_ok=True)  # tokenizer, configs
         _state_dtype(partial / "config.json", dtype)
-        largest_shard = max(_nbytes(layout, names) for names in split.filename_to_tensors.values())
+        largest_shard = max(_nbytes(layout, tensors) for tensors in split.filename_to_tensors.values())
         read_budget = max(largest_shard // _READ_FRACTION, 1)
         for filename, shard_names in split.filename_to_tensors.items():
             shard = _allocate(layout, shard_names)

@@ -53,7 +53,14 @@ from finetune.evaluate import evaluate, token_losses
 from finetune.flops import flops_per_token, peak_flops
 from finetune.memory import MemoryProbe, format_reports, gather_reports, memory_metrics
 from finetune.metrics import MetricsLogger
-from finetune.model import DTYPES, check_tied_weights, load_model, load_tokenizer, save_model_files
+from finetune.model import (
+    DTYPES,
+    check_tied_weights,
+    checkpoint_dropout_exactly,
+    load_model,
+    load_tokenizer,
+    save_model_files,
+)
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.wrap import format_wrap_plan, fsdp_units, validate_wrap_policy
 
@@ -122,6 +129,9 @@ def train(recipe: RecipeConfig) -> TrainResult:
     fsdp_plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if fsdp_plugin is not None:
         validate_wrap_policy(fsdp_plugin, model)
+        replaced = checkpoint_dropout_exactly(fsdp_plugin, model)
+        if replaced:
+            accelerator.print(replaced)
     broadcast_module_states(accelerator, model)
     optimizer = build_optimizer(model.parameters(), recipe.optim)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, data.train_loader)

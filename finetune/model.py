@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
+from accelerate.utils import FullyShardedDataParallelPlugin
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -19,6 +20,10 @@ from finetune.config import ModelConfig
 from finetune.errors import FinetuneError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DROPOUT_MODULES = (
+    torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)  # fmt: skip
 
 
 def check_model_path(name_or_path: str) -> None:
@@ -99,6 +104,44 @@ def load_model(cfg: ModelConfig, activation_checkpointing: bool, *, read_weights
     # from_pretrained returns the model in eval mode, where dropout and activation checkpointing are off.
     model.train()
     return model
+
+
+def checkpoint_dropout_exactly(plugin: FullyShardedDataParallelPlugin, model: PreTrainedModel) -> str | None:
+    """Under FSDP2 activation checkpointing, make a model that trains with dropout recompute its exact forward.
+
+    accelerate wraps each layer in `checkpoint_wrapper(preserve_rng_state=False)`: the recompute in
+    backward draws new dropout masks, so the gradients would belong to another forward than the one
+    that gave the loss, and nothing would say so. For such a model the same layers are checkpointed
+    by transformers' gradient checkpointing instead, which replays the random state. Returns a line
+    for the log saying so, or None when the model needs nothing (no dropout, or no checkpointing).
+    """
+    if plugin.fsdp_version != 2 or not plugin.activation_checkpointing:
+        return None
+    dropout = dropout_site(model)
+    if dropout is None:
+        return None
+    if getattr(plugin, "activation_checkpointing_offload", False) or not model.supports_gradient_checkpointing:
+        raise FinetuneError(
+            f"the model trains with dropout ({dropout}), which accelerate's FSDP2 activation checkpointing "
+            "recomputes with new random masks, so gradients would not match the loss; transformers' gradient "
+            f"checkpointing, which replays them, cannot stand in here ({type(model).__name__}, offload "
+            f"{getattr(plugin, 'activation_checkpointing_offload', False)}): set fsdp_activation_checkpointing: false"
+        )
+    plugin.activation_checkpointing = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return (
+        f"activation checkpointing: the model trains with dropout ({dropout}), so its layers are checkpointed "
+        "by transformers, which replays the dropout masks, not by accelerate's FSDP2 wrapper, which draws new ones"
+    )
+
+
+def dropout_site(model: PreTrainedModel) -> str | None:
+    """Where `model` applies dropout while training (the first such module, or its attention's), or None."""
+    for name, module in model.named_modules():
+        if isinstance(module, _DROPOUT_MODULES) and module.p > 0:
+            return f"{name} p={module.p}"
+    attention_dropout = getattr(model.config, "attention_dropout", 0.0)  # applied inside the attention kernel
+    return f"attention_dropout={attention_dropout}" if attention_dropout else None
 
 
 def check_tied_weights(model: PreTrainedModel) -> None:

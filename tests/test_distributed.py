@@ -1,12 +1,15 @@
-"""Launch-environment checks that need no processes."""
+"""Launch-environment and FSDP-plugin checks that need no processes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from accelerate.utils import FullyShardedDataParallelPlugin
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from finetune.distributed import _check_launch_environment
 from finetune.errors import FinetuneError
+from finetune.model import checkpoint_dropout_exactly, dropout_site
 
 
 def test_bf16_on_a_gpu_without_bf16_names_the_fix(monkeypatch):
@@ -25,3 +28,35 @@ def test_activation_checkpointing_in_one_place_is_fine(monkeypatch):
     with pytest.raises(FinetuneError, match="remove one of them"):
         _check_launch_environment(recipe_activation_checkpointing=True)
     _check_launch_environment(recipe_activation_checkpointing=False)
+
+
+def _gpt2() -> torch.nn.Module:
+    return AutoModelForCausalLM.from_config(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)).train()
+
+
+def _llama(**kwargs) -> torch.nn.Module:
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, **kwargs
+    )
+    return AutoModelForCausalLM.from_config(config).train()
+
+
+def _plugin(**kwargs) -> FullyShardedDataParallelPlugin:
+    return FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True, **kwargs)
+
+
+def test_fsdp2_checkpointing_of_a_model_with_dropout_moves_to_transformers():
+    gpt2, plugin = _gpt2(), _plugin(activation_checkpointing=True)
+    assert dropout_site(gpt2) == "transformer.drop p=0.1"
+    assert "checkpointed by transformers" in checkpoint_dropout_exactly(plugin, gpt2)
+    assert not plugin.activation_checkpointing and gpt2.is_activation_checkpointing
+
+    llama, plugin = _llama(), _plugin(activation_checkpointing=True)
+    assert dropout_site(llama) is None and checkpoint_dropout_exactly(plugin, llama) is None
+    assert plugin.activation_checkpointing and not llama.is_activation_checkpointing
+    assert dropout_site(_llama(attention_dropout=0.1)) == "attention_dropout=0.1"
+
+    assert checkpoint_dropout_exactly(_plugin(activation_checkpointing=False), _gpt2()) is None
+    offloaded = _plugin(activation_checkpointing=True, activation_checkpointing_offload=True)
+    with pytest.raises(FinetuneError, match="set fsdp_activation_checkpointing: false"):
+        checkpoint_dropout_exactly(offloaded, _gpt2())

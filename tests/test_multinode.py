@@ -160,16 +160,18 @@ def test_rank_zero_loading_starts_from_exactly_the_pretrained_weights(tmp_path, 
 
 
 def test_rank_zero_loading_keeps_tied_weights_tied(tmp_path, demo_assets, gpt2_base, gpt2_run):
-    """The multi-node preset (rank-0 loading, CPU offload) on the tied GPT-2:
+    """The multi-node preset (rank-0 loading, CPU offload, activation checkpointing) on the tied GPT-2:
     it trains like the plain full-shard run, and the export (which stores the tied matrix once)
-    reproduces the trained model's logits, which it could not if the two had drifted apart."""
+    reproduces the trained model's logits, which it could not if the two had drifted apart.
+
+    GPT-2 trains with dropout: its recomputed layers must draw the forward's masks again, which
+    accelerate's FSDP2 checkpointing does not do, so transformers' checkpointing stands in for it
+    (with accelerate's, the losses part from the plain run's from the second step on)."""
     out = tmp_path / "out"
     overrides = recipe_overrides(demo_assets, out, **{"model.name_or_path": gpt2_base})
-    # Without activation checkpointing: accelerate's recomputation does not restore the RNG state,
-    # so GPT-2's dropout masks differ from the plain run's (see the README's notes on presets).
-    args = (*GPT2_WRAP, "--num_machines", "1", "--fsdp_activation_checkpointing", "false")
-    result = launch("multi_node.yaml", overrides, launch_args=args)
+    result = launch("multi_node.yaml", overrides, launch_args=(*GPT2_WRAP, "--num_machines", "1"))
     assert result.returncode == 0, result.stderr[-5000:]
+    assert "checkpointed by transformers, which replays the dropout masks" in result.stdout
     run = Run(result, out)
     assert [r["started_on_meta_device"] for r in run.rank_reports()] == [False, True]
     assert run.losses() == pytest.approx(gpt2_run.losses(), abs=1e-5)
