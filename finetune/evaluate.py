@@ -8,6 +8,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from finetune.data import IGNORE
+from finetune.wrap import reshard
 
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
 
@@ -35,5 +36,6 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, accelerator: Accelerato
         row_losses, row_targets = accelerator.gather_for_metrics((row_losses, row_targets))
         loss_sum += row_losses.double().sum().cpu()
         num_targets += row_targets.double().sum().cpu()
+    reshard(model)
     model.train()
     return (loss_sum / num_targets.clamp(min=1)).item()

@@ -62,7 +62,7 @@ from finetune.model import (
     save_model_files,
 )
 from finetune.optim import build_optimizer, build_scheduler
-from finetune.wrap import format_wrap_plan, fsdp_units, validate_wrap_policy
+from finetune.wrap import format_wrap_plan, fsdp_units, reshard, validate_wrap_policy
 
 logger = logging.getLogger("finetune")
 
@@ -261,6 +261,7 @@ def save_final_logits(run: Run, path: Path) -> None:
     input_ids = torch.randint(0, vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
     run.model.eval()
     logits = run.model(input_ids=input_ids.to(run.accelerator.device), use_cache=False).logits
+    reshard(run.model)
     run.model.train()
     if run.accelerator.is_main_process:
         save_file({"input_ids": input_ids, "logits": logits.float().cpu().contiguous()}, path)

@@ -115,6 +115,19 @@ def fsdp_units(model: torch.nn.Module) -> list[Unit]:
     return units
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Free what a forward without a backward (evaluation) leaves gathered.
+
+    accelerate shards the final norm and output head (with tied embeddings) as one FSDP2 unit with
+    reshard_after_forward=False, which training's backward reshards; after an evaluation the unit
+    would stay whole on every rank, through checkpoint saves, until the next step. Local, no
+    communication; FSDP1 and DDP models have nothing to free.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _managed_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     """Parameters of `module`'s subtree that no nested FSDP unit claims."""
     params = list(module.parameters(recurse=False))

@@ -97,9 +97,10 @@ def test_machines_that_do_not_share_output_dir_are_refused(tmp_path, demo_assets
 
 
 def test_hybrid_sharding_on_a_2x2_mesh(tmp_path, demo_assets, fsdp2_run):
-    """4 processes: 2 replicas x 2-process shard groups. Each rank holds half of every layer; the rank
-    holding the same half in the other replica holds the same values; the losses are the 2-process
-    full-shard run's (same global batch of 16 rows)."""
+    """4 processes: 2 replicas x 2-process shard groups. Each rank holds half of every unit (also the
+    final norm and head, after the last evaluation's forward); the rank holding the same half in the
+    other replica holds the same values; the losses are the 2-process full-shard run's (same global
+    batch of 16 rows)."""
     out = tmp_path / "out"
     overrides = recipe_overrides(demo_assets, out, **{"train.micro_batch_size": 4, "output.export": "false"})
     args = (
@@ -115,8 +116,9 @@ def test_hybrid_sharding_on_a_2x2_mesh(tmp_path, demo_assets, fsdp2_run):
     run = Run(result, out)
     assert "hybrid: 2 replicas x 2-process shard groups" in run.log
     reports = run.rank_reports()
-    layers = [u for r in reports for u in r["units"] if u["class_name"] in ("LlamaDecoderLayer", "Embedding")]
-    assert len(layers) == 4 * 5 and all(2 * u["numel_local"] == u["numel_global"] for u in layers)
+    units = [u for r in reports for u in r["units"] if u["numel_global"]]  # the root holds no parameter
+    assert {u["class_name"] for u in units} == {"LlamaDecoderLayer", "Embedding", "LlamaRMSNorm", "Linear"}
+    assert all(2 * u["numel_local"] == u["numel_global"] for u in units), units
     fingerprints = [r["params_fingerprint"] for r in reports]
     assert fingerprints[0] == fingerprints[2] and fingerprints[1] == fingerprints[3]
     assert fingerprints[0] != fingerprints[1]
