@@ -3,11 +3,11 @@
 A checkpoint is `<output.dir>/checkpoints/step_<N>/`: what `accelerator.save_state` writes (model
 and optimizer as torch.distributed.checkpoint shards or full state dicts, as the accelerate config's
 state-dict type says; RNG states), plus `trainer_state.json` (step, data position, LR scheduler
-state), the resolved recipe, and `hf/` (config, generation config and tokenizer files, so that
-`finetune export` needs nothing but the checkpoint), and `tensor_names.json` (the model's
-state-dict names, tied ones grouped, so that the export needs no model code). It is written as `step_<N>.partial/` and
-renamed when complete, with the marker file written last, so a save that dies halfway never looks
-complete and never replaces the previous checkpoint.
+state), the resolved recipe, `hf/` (config, generation config and tokenizer files, so that
+`finetune export` needs nothing but the checkpoint) and `tensor_names.json` (the model's state-dict
+names, tied ones grouped, so that the export needs no model code). It is written as
+`step_<N>.partial/` and renamed when complete, with the marker file written last, so a save that
+dies halfway never looks complete and never replaces the previous checkpoint.
 """
 
 from __future__ import annotations

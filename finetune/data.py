@@ -82,7 +82,7 @@ def encode_chats(
 
     Assistant spans are found in characters, by rendering each conversation prefix, and mapped to
     tokens through the fast tokenizer's offsets, so merges across turn boundaries cannot shift them.
-    The texts are tokenized in one call, which the fast tokenizer spreads over its threads.
+    The texts are tokenized in one call: the fast tokenizer is entered once per batch, not per sample.
     """
     texts = [tokenizer.apply_chat_template(messages, tokenize=False) for messages in conversations]
     encodings = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=completion_only)
