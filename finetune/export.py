@@ -73,9 +73,10 @@ def export_checkpoint(
         _state_dtype(partial / "config.json", dtype)
         largest_shard = max(_nbytes(layout, tensors) for tensors in split.filename_to_tensors.values())
         read_budget = max(largest_shard // _READ_FRACTION, 1)
+        stored = {name: weights.shapes[src].numel() * weights.dtypes[src].itemsize for name, src in names.items()}
         for filename, shard_names in split.filename_to_tensors.items():
             shard = _allocate(layout, shard_names)
-            for group in _read_groups(shard_names, layout, weights, names, read_budget):
+            for group in _read_groups({name: stored[name] for name in shard_names}, read_budget):
                 _read_into(weights, {names[name]: shard[name] for name in group}, checkpoint)
             save_file(shard, partial / filename, metadata={"format": "pt"})
             del shard
@@ -306,22 +307,20 @@ def _allocate(layout: dict[str, torch.Tensor], names: list[str]) -> dict[str, to
     fragments the next shard cannot all reuse, and the peak grew to nearly twice a shard. A buffer
     of a whole shard is mapped and unmapped as one, so each shard's memory is returned once written.
     """
-    offsets, end = [], 0
+    views, end = {}, 0
     for name in names:
-        offsets.append(end)
-        end += -(-_nbytes(layout, [name]) // _ALIGN) * _ALIGN
+        views[name] = (end, _nbytes(layout, [name]))
+        end += -(-views[name][1] // _ALIGN) * _ALIGN
     buffer = torch.empty(end, dtype=torch.uint8)
     return {
-        name: buffer[offset : offset + _nbytes(layout, [name])].view(layout[name].dtype).view(layout[name].shape)
-        for name, offset in zip(names, offsets, strict=True)
+        name: buffer[offset : offset + size].view(layout[name].dtype).view(layout[name].shape)
+        for name, (offset, size) in views.items()
     }
 
 
-def _read_groups(
-    names: list[str], layout: dict[str, torch.Tensor], weights: CheckpointWeights, sources: dict[str, str], budget: int
-) -> Iterator[list[str]]:
-    """`names` in groups of at most `budget` bytes in the checkpoint (a larger tensor forms a group
-    alone), largest first.
+def _read_groups(stored: dict[str, int], budget: int) -> Iterator[list[str]]:
+    """The tensors of `stored` (name -> bytes in the checkpoint) in groups of at most `budget` bytes (a
+    larger tensor forms a group alone), largest first.
 
     Reading a tensor holds one of its saved pieces in memory besides the shard (and, when cast, a
     copy in the checkpoint's dtype): reading the large ones first, while the shard is still mostly
@@ -329,9 +328,8 @@ def _read_groups(
     """
     group: list[str] = []
     size = 0
-    for name in sorted(names, key=lambda n: layout[n].numel() * weights.dtypes[sources[n]].itemsize, reverse=True):
-        source = sources[name]
-        nbytes = layout[name].numel() * weights.dtypes[source].itemsize
+    for name in sorted(stored, key=stored.__getitem__, reverse=True):
+        nbytes = stored[name]
         if group and size + nbytes > budget:
             yield group
             group, size = [], 0
