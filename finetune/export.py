@@ -241,8 +241,10 @@ def _export_names(weights: CheckpointWeights, checkpoint: Path) -> dict[str, str
     embedding, as transformers saves it), from whichever of its names the checkpoint holds.
     """
     saved = checkpoint / TENSOR_NAMES
-    groups = json.loads(saved.read_text()) if saved.is_file() else _model_tensor_names(checkpoint / MODEL_FILES)
-    described = TENSOR_NAMES if saved.is_file() else f"{MODEL_FILES}/config.json"
+    if saved.is_file():
+        groups, described = json.loads(saved.read_text()), TENSOR_NAMES
+    else:
+        groups, described = _model_tensor_names(checkpoint / MODEL_FILES), f"{MODEL_FILES}/config.json"
     names, missing = {}, []
     for group in groups:
         source = next((name for name in group if name in weights.shapes), None)
@@ -266,10 +268,11 @@ def _model_tensor_names(model_files: Path) -> list[list[str]]:
 
     transformers is imported here, not at the top: with its model classes it takes over a second,
     which every export of a checkpoint that carries its names is spared."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    with torch.device("meta"):
-        return tensor_names(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_files)))
+    from finetune.model import meta_model
+
+    return tensor_names(meta_model(AutoConfig.from_pretrained(model_files)))
 
 
 def _state_dtype(config_file: Path, dtype: torch.dtype) -> None:

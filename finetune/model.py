@@ -120,12 +120,13 @@ def checkpoint_dropout_exactly(plugin: FullyShardedDataParallelPlugin, model: Pr
     dropout = dropout_site(model)
     if dropout is None:
         return None
-    if getattr(plugin, "activation_checkpointing_offload", False) or not model.supports_gradient_checkpointing:
+    offload = getattr(plugin, "activation_checkpointing_offload", False)
+    if offload or not model.supports_gradient_checkpointing:
         raise FinetuneError(
             f"the model trains with dropout ({dropout}), which accelerate's FSDP2 activation checkpointing "
             "recomputes with new random masks, so gradients would not match the loss; transformers' gradient "
             f"checkpointing, which replays them, cannot stand in here ({type(model).__name__}, offload "
-            f"{getattr(plugin, 'activation_checkpointing_offload', False)}): set fsdp_activation_checkpointing: false"
+            f"{offload}): set fsdp_activation_checkpointing: false"
         )
     plugin.activation_checkpointing = False
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
