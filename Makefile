@@ -47,7 +47,7 @@ demo: $(STAMP) ## offline demo: build a tiny Llama and data, fine-tune with FSDP
 # The demo model is tiny, so it trains in fp32 on any hardware (--mixed_precision no).
 train-tiny: $(STAMP) ## train the demo recipe (after `finetune demo build`)
 	$(OFFLINE) $(ACCELERATE) launch --config_file $(CONFIG) --num_processes $(NUM_PROCESSES) --mixed_precision no \
-		-m finetune train $(DEMO_RECIPE)
+		-m finetune train $(DEMO_RECIPE) $(ARGS)
 
 # One target per recipe: its recipe, FSDP wrap class, accelerate config and process count.
 # Multi-node: run the same target on every machine with NUM_MACHINES, MACHINE_RANK and MAIN_PROCESS_IP
@@ -106,7 +106,7 @@ train $(TRAIN_TARGETS): $(STAMP)
 
 # make check RECIPE=recipes/llama/llama-3.1-8b.yaml CONFIG=accelerate_configs/single_node.yaml NUM_PROCESSES=8
 check: $(STAMP) ## validate RECIPE with CONFIG and the launch sizes, offline, without starting anything
-	$(OFFLINE) $(PY) -m finetune check $(or $(RECIPE),$(DEMO_RECIPE)) $(LAUNCH_CHECK)
+	$(OFFLINE) $(PY) -m finetune check $(or $(RECIPE),$(DEMO_RECIPE)) $(ARGS) $(LAUNCH_CHECK)
 
 # make export CKPT=outputs/demo/run/checkpoints/step_300 OUT=exported [DTYPE=bf16] [MAX_SHARD_SIZE=5GB]
 export: $(STAMP) ## write checkpoint CKPT as a Hugging Face folder OUT (one process, no launcher)
@@ -115,7 +115,7 @@ export: $(STAMP) ## write checkpoint CKPT as a Hugging Face folder OUT (one proc
 
 # make plan RECIPE=recipes/demo/tiny_llama.yaml [CONFIG=...] [NUM_PROCESSES=8] [NUM_MACHINES=1] [GPU_MEMORY=80GB]
 plan: $(STAMP) ## memory per device for RECIPE under CONFIG on NUM_PROCESSES devices, and a verdict
-	$(OFFLINE) $(PY) -m finetune plan $(or $(RECIPE),$(DEMO_RECIPE)) --config $(CONFIG) \
+	$(OFFLINE) $(PY) -m finetune plan $(or $(RECIPE),$(DEMO_RECIPE)) $(ARGS) --config $(CONFIG) \
 		--num-processes $(NUM_PROCESSES) --num-machines $(NUM_MACHINES) --gpu-memory $(or $(GPU_MEMORY),80GB)
 
 # Ratios measured in one run, interleaved repetitions; results in bench/results/<date>-<commit>.{json,md,png}.

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -23,9 +25,11 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from safetensors import SafetensorError, safe_open
+from torch.distributed.checkpoint.api import CheckpointException
 
 from finetune.config import RecipeConfig, save_recipe
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, first_line
 
 logger = logging.getLogger("finetune")
 
@@ -33,6 +37,7 @@ MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 MODEL_FILES = "hf"
 TENSOR_NAMES = "tensor_names.json"
+_STEP_FOLDER = re.compile(r"step_(\d+)")
 
 
 @dataclass(frozen=True)
@@ -53,30 +58,50 @@ def checkpoints_root(output_dir: Path) -> Path:
     return output_dir / "checkpoints"
 
 
+def step_of(checkpoint: Path) -> int:
+    """The optimizer step a `step_<N>` folder was saved at."""
+    return int(_STEP_FOLDER.fullmatch(checkpoint.name).group(1))
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints, oldest first. Incomplete folders are reported and never chosen."""
+    """Complete checkpoints, oldest first. Incomplete folders are reported and never chosen; other
+    names (a user's `step_4.bak`, a save in progress `step_5.partial`) are not checkpoints."""
     if not root.is_dir():
         return []
     complete, incomplete = [], []
     for path in root.iterdir():
-        if path.is_dir() and path.name.startswith("step_"):
+        if path.is_dir() and _STEP_FOLDER.fullmatch(path.name):
             (complete if (path / MARKER).exists() else incomplete).append(path)
     for path in incomplete:
         logger.warning(f"ignoring incomplete checkpoint {path} (no {MARKER} marker: its save did not finish)")
-    return sorted(complete, key=lambda p: int(p.name.removeprefix("step_")))
+    return sorted(complete, key=step_of)
 
 
 def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
-    """The checkpoint to resume from: `auto` picks the latest complete one (None if there is none)."""
+    """The checkpoint to resume from: `auto` picks the latest complete and intact one (None if there
+    is none), skipping damaged ones with a warning; an explicit path must be complete and intact."""
     if resume is None:
         return None
     if resume == "auto":
-        found = complete_checkpoints(checkpoints_root(output_dir))
-        return found[-1] if found else None
+        for path in reversed(complete_checkpoints(checkpoints_root(output_dir))):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                return path
+            logger.warning(f"skipping damaged checkpoint {path} ({problem}); trying the one before it")
+        return None
     path = Path(resume)
-    if not (path / MARKER).exists():
-        reason = "does not exist" if not path.exists() else f"is incomplete (no {MARKER} marker)"
+    reason = None
+    if not path.exists():
+        reason = "does not exist"
+    elif not _STEP_FOLDER.fullmatch(path.name):
+        reason = "is not a step_<N> checkpoint folder"
+    elif not (path / MARKER).exists():
+        reason = f"is incomplete (no {MARKER} marker)"
+    if reason is not None:
         raise FinetuneError(f"checkpoint {path} {reason}; pass checkpoint.resume=auto or a complete step_<N> folder")
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise FinetuneError(f"checkpoint {path} is damaged ({problem}); resume an earlier step_<N> folder")
     return path
 
 
@@ -95,6 +120,82 @@ def find_checkpoint(path: Path) -> Path:
         f"{path} is not a complete checkpoint (no {MARKER} marker: its save did not finish, or it is not a "
         "checkpoint); pass an earlier complete step_<N> folder or the run's output dir"
     )
+
+
+def checkpoint_problem(path: Path, *, resuming: bool = True) -> str | None:
+    """Why the checkpoint at `path` cannot be restored (`resuming`) or exported, or None if every file is whole.
+
+    Reads each file's header (JSON state, DCP metadata, torch and safetensors file tables) and
+    checks that every file is as long as its header says; no tensor data is read. A checkpoint
+    damaged after its save (a truncated copy, a disk error) is found here, before anything loads.
+    """
+    try:
+        if resuming:  # the export reads weights and model files only
+            TrainerState(**json.loads((path / STATE_FILE).read_text()))
+    except (OSError, ValueError, TypeError) as exc:
+        return f"{STATE_FILE}: {first_line(exc)}"
+    for metadata_file in sorted(path.glob("*/.metadata")):
+        problem = _dcp_problem(metadata_file)
+        if problem is not None:
+            return problem
+    for torch_file in sorted(path.glob("*.bin")):
+        try:
+            torch.load(torch_file, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as exc:  # zip, pickle and unpickling errors vary
+            return f"{torch_file.name}: {first_line(exc)}"
+    for safetensors_file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(safetensors_file, framework="pt"):
+                pass
+        except Exception as exc:  # SafetensorError is not an OSError
+            return f"{safetensors_file.name}: {first_line(exc)}"
+    return None
+
+
+def _dcp_problem(metadata_file: Path) -> str | None:
+    """A torch.distributed.checkpoint folder: its metadata readable, each data file long enough."""
+    folder = metadata_file.parent
+    try:
+        with metadata_file.open("rb") as f:
+            metadata = MetadataUnpickler(f).load()
+        ends: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    except FinetuneError:
+        raise
+    except Exception as exc:  # truncated or corrupt pickles raise several types
+        return f"{folder.name}/.metadata: {first_line(exc)}"
+    for name, end in sorted(ends.items()):
+        size = (folder / name).stat().st_size if (folder / name).is_file() else None
+        if size is None or size < end:
+            found = "missing" if size is None else f"{size:,} bytes of {end:,}"
+            return f"{folder.name}/{name} is {found}"
+    return None
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Reads DCP's `.metadata` pickle allowing only the checkpoint metadata types, never arbitrary code."""
+
+    _ALLOWED = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+    }
+
+    def find_class(self, module: str, name: str):
+        allowed = (
+            (module, name) in self._ALLOWED
+            or module == "torch.distributed.checkpoint.metadata"
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
+        if not allowed:
+            raise FinetuneError(
+                f"checkpoint metadata refers to {module}.{name}, which a torch.distributed.checkpoint metadata file "
+                "never does; refusing to load it (the file may have been tampered with)"
+            )
+        return super().find_class(module, name)
 
 
 def tensor_names(model: torch.nn.Module) -> list[list[str]]:
@@ -127,7 +228,13 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial))
+    try:
+        accelerator.save_state(str(partial))
+    except (OSError, SafetensorError, CheckpointException) as exc:  # a full disk or quota, as each writer reports it
+        raise FinetuneError(
+            f"cannot write checkpoint {final} ({first_line(exc)}); free space under {output_dir} (the previous "
+            "checkpoints are intact) and resume with checkpoint.resume=auto"
+        ) from None
     accelerator.wait_for_everyone()  # every rank's shards are on disk before the checkpoint is declared complete
     if accelerator.is_main_process:
         (partial / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
@@ -145,13 +252,18 @@ def save_checkpoint(
 
 def load_checkpoint(accelerator: Accelerator, path: Path, recipe: RecipeConfig) -> TrainerState:
     """Restore model, optimizer, scheduler and RNG states from `path`; return where training stands."""
-    state = TrainerState(**json.loads((path / STATE_FILE).read_text()))
+    state = TrainerState(**json.loads((path / STATE_FILE).read_text()))  # checked by resolve_resume
     if state.model_name_or_path != recipe.model.name_or_path:
         raise FinetuneError(
             f"checkpoint {path} was trained from {state.model_name_or_path!r} but the recipe names "
             f"{recipe.model.name_or_path!r}; resume with the same model.name_or_path or start a new output.dir"
         )
-    accelerator.load_state(str(path))
+    try:
+        accelerator.load_state(str(path))
+    except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
+        raise FinetuneError(
+            f"cannot restore checkpoint {path} ({first_line(exc)}); resume an earlier step_<N> folder"
+        ) from None
     return state
 
 

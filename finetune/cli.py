@@ -10,6 +10,7 @@ Export runs as one plain process, from any checkpoint:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -56,10 +57,22 @@ def main(argv: list[str] | None = None) -> int:
             demo.build(args.dir) if args.action == "build" else demo.report(args.dir, args.run)
     except FinetuneError as exc:
         # Every rank hits the same user error; one copy of the message is enough.
-        if os.environ.get("RANK", "0") == "0":
+        if _rank() == 0:
             print(f"finetune: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        from finetune.distributed import lost_peer
+
+        if _rank() == 0 or not lost_peer(exc):
+            raise
+        # Another process stopped (with its own message) while this one waited for it in a collective.
+        print(f"finetune: rank {_rank()} stopped: another process ended first (see its message)", file=sys.stderr)
+        return 1
     return 0
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def _train(recipe_path: str, overrides: list[str]) -> None:
@@ -68,17 +81,21 @@ def _train(recipe_path: str, overrides: list[str]) -> None:
     recipe = load_recipe(recipe_path, overrides)  # before the slow imports: typos fail fast
     from finetune.distributed import shutdown
     from finetune.export import export_checkpoint
-    from finetune.loop import train
+    from finetune.loop import preflight, train
     from finetune.model import DTYPES
+    from finetune.outputs import run_lock
 
-    result = train(recipe)
-    shutdown()  # only after train() returned, so its model and loaders are already freed
-    # The export runs on one process after the process group is gone: however long it takes,
-    # no other rank waits on a collective that could time out.
-    if recipe.output.export and result.final_checkpoint is not None and os.environ.get("RANK", "0") == "0":
-        dtype = DTYPES[recipe.output.export_dtype] if recipe.output.export_dtype else None
-        out = export_checkpoint(result.final_checkpoint, result.output_dir / "final", dtype=dtype, overwrite=True)
-        print(f"exported {result.final_checkpoint} to {out}")
+    resume_from = preflight(recipe)
+    # The main process owns output.dir until its export is written: a second run into it is refused.
+    with run_lock(Path(recipe.output.dir)) if _rank() == 0 else contextlib.nullcontext():
+        result = train(recipe, resume_from)
+        shutdown()  # only after train() returned, so its model and loaders are already freed
+        # The export runs on one process after the process group is gone: however long it takes,
+        # no other rank waits on a collective that could time out.
+        if recipe.output.export and result.final_checkpoint is not None and _rank() == 0:
+            dtype = DTYPES[recipe.output.export_dtype] if recipe.output.export_dtype else None
+            out = export_checkpoint(result.final_checkpoint, result.output_dir / "final", dtype=dtype, overwrite=True)
+            print(f"exported {result.final_checkpoint} to {out}")
 
 
 def _parser() -> argparse.ArgumentParser:

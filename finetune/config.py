@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +24,10 @@ from finetune.errors import FinetuneError
 
 class ConfigError(FinetuneError):
     """One or more problems in a recipe or its command-line overrides."""
+
+
+# accelerate's tracker names (accelerate.utils.LoggerType), listed so that a typo fails here, not at step 1.
+TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
 
 
 @dataclass(kw_only=True)
@@ -139,7 +144,7 @@ class OutputConfig:
     """Allow writing into a non-empty `dir`. Without it a run refuses, so earlier results are never lost."""
 
     trackers: list[str] = field(default_factory=list)
-    """Accelerate trackers to log to, e.g. [tensorboard]. Metrics always go to `metrics.jsonl`."""
+    """Accelerate trackers to log to, e.g. [tensorboard] (one of TRACKERS). Metrics always go to `metrics.jsonl`."""
 
     export: bool = True
     """At the end of training, save a checkpoint of the last step and export it (the same exporter as
@@ -204,6 +209,18 @@ class RecipeConfig:
             errors.append(f"checkpoint.keep_last must be >= 1, got {self.checkpoint.keep_last}")
         if optim.warmup_steps < 0:
             errors.append(f"optim.warmup_steps must be >= 0, got {optim.warmup_steps}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(optim, name) < 1.0:
+                errors.append(f"optim.{name} must be in [0, 1), got {getattr(optim, name)}")
+        if optim.adam_eps < 0:
+            errors.append(f"optim.adam_eps must be >= 0, got {optim.adam_eps}")
+        if optim.weight_decay < 0:
+            errors.append(f"optim.weight_decay must be >= 0, got {optim.weight_decay}")
+        if not self.output.dir.strip():
+            errors.append("output.dir is empty; name a folder for this run, e.g. output.dir=outputs/my_run")
+        unknown = [name for name in self.output.trackers if name not in TRACKERS]
+        if unknown:
+            errors.append(f"output.trackers names {', '.join(unknown)}; use any of {', '.join(TRACKERS)}")
         return errors
 
     def to_dict(self) -> dict[str, Any]:
@@ -310,10 +327,18 @@ def _coerce(value: Any, hint: Any, name: str, errors: list[str]) -> Any:
     elif hint in (int, float):
         if isinstance(value, str):
             with contextlib.suppress(ValueError):
-                value = hint(value)
-        if isinstance(value, int | float) and not isinstance(value, bool) and (hint is float or value == int(value)):
+                value = float(value) if hint is float else int(value)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if number and not math.isfinite(value):
+            # .nan slips through every range check (all comparisons are false) and .inf through most.
+            errors.append(f"{name} must be a finite number, got {value!r}")
+            return _INVALID
+        if number and (hint is float or value == int(value)):
             return hint(value)
     elif isinstance(value, hint):
         return value
-    errors.append(f"{name} must be {hint.__name__}, got {value!r}")
+    if value is None:
+        errors.append(f"{name} is empty; give it a {hint.__name__} value")
+    else:
+        errors.append(f"{name} must be {hint.__name__}, got {value!r}")
     return _INVALID

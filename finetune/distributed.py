@@ -17,18 +17,26 @@ import hashlib
 import os
 import signal
 import socket
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import accelerate
 import torch
 from accelerate import Accelerator, ParallelismConfig, PartialState
-from accelerate.utils import DataLoaderConfiguration, DistributedType, FullyShardedDataParallelPlugin
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    broadcast_object_list,
+)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy
 
 from finetune.errors import FinetuneError
 from finetune.launch import check_hybrid_shard_group, hybrid_replicas
 from finetune.memory import dtype_name
 from finetune.wrap import fsdp_units, local_tensor
+
+T = TypeVar("T")
 
 
 def launched_world_size() -> int:
@@ -313,6 +321,32 @@ class PreemptionSignals:
             return False
         flag = torch.tensor(float(self.received), device=accelerator.device)
         return accelerator.reduce(flag, "sum").item() > 0
+
+
+def main_process_first(accelerator: Accelerator, build: Callable[[], T]) -> T:
+    """`build()` on the main process, then on the others (which find its caches), like accelerate's
+    `main_process_first`, except that a user error on the main process is raised on every process:
+    none is left waiting at a barrier for a process that has exited, to fail with a gloo traceback."""
+    error: list[str | None] = [None]
+    if accelerator.is_main_process:
+        try:
+            result = build()
+        except FinetuneError as exc:
+            error = [str(exc)]
+    broadcast_object_list(error)  # also the barrier at which the others wait for the main process
+    if error[0] is not None:
+        raise FinetuneError(error[0])
+    if not accelerator.is_main_process:
+        result = build()
+    return result
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether `exc` is a collective failing because another process exited (after its own error)."""
+    closed = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+    return isinstance(exc, torch.distributed.DistError) or (
+        isinstance(exc, RuntimeError) and any(text in str(exc) for text in closed)
+    )
 
 
 def shutdown() -> None:

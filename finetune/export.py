@@ -13,10 +13,12 @@ once, under the name transformers loads them by.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import pickle
 import re
 import shutil
+import signal
+import threading
 import warnings
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -26,13 +28,21 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from huggingface_hub import StateDictSplit, split_torch_state_dict_into_shards
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from finetune.checkpoint import MODEL_FILES, TENSOR_NAMES, find_checkpoint, tensor_names
+from finetune.checkpoint import (
+    MODEL_FILES,
+    TENSOR_NAMES,
+    MetadataUnpickler,
+    checkpoint_problem,
+    find_checkpoint,
+    tensor_names,
+)
 from finetune.errors import FinetuneError, first_line
+from finetune.outputs import export_lock
 
 # Wrapper prefixes that FSDP1, activation checkpointing, torch.compile and DDP add to parameter names.
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -58,7 +68,16 @@ def export_checkpoint(
     holds a half-written model, and an earlier model there is replaced only by a complete one.
     """
     checkpoint = find_checkpoint(checkpoint)
-    _check_out_dir(out_dir, overwrite)
+    _check_out_dir(out_dir, overwrite, checkpoint)
+    problem = checkpoint_problem(checkpoint, resuming=False)
+    if problem is not None:
+        raise FinetuneError(f"checkpoint {checkpoint} is damaged ({problem}); export an earlier checkpoint")
+    with export_lock(out_dir), stopped_by_signals(checkpoint, out_dir):
+        _write_export(checkpoint, out_dir, dtype, max_shard_size)
+    return out_dir
+
+
+def _write_export(checkpoint: Path, out_dir: Path, dtype: torch.dtype | None, max_shard_size: str) -> None:
     weights = open_weights(checkpoint)
     names = _export_names(weights, checkpoint)
     dtype = dtype or weights.training_dtype()
@@ -78,7 +97,7 @@ def export_checkpoint(
             shard = _allocate(layout, shard_names)
             for group in _read_groups({name: stored[name] for name in shard_names}, read_budget):
                 _read_into(weights, {names[name]: shard[name] for name in group}, checkpoint)
-            save_file(shard, partial / filename, metadata={"format": "pt"})
+            _save_shard(shard, partial / filename, out_dir)
             del shard
         if split.is_sharded:
             index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
@@ -87,7 +106,37 @@ def export_checkpoint(
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return out_dir
+
+
+@contextlib.contextmanager
+def stopped_by_signals(checkpoint: Path, out_dir: Path) -> Iterator[None]:
+    """Turn SIGTERM and Ctrl-C during an export into a user error that says how to finish it (the
+    partial folder is removed on the way out; the checkpoint is untouched)."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise FinetuneError(
+            f"the export to {out_dir} was stopped by {signal.Signals(signum).name} and nothing was written there; "
+            f"checkpoint {checkpoint} is complete: finish with `finetune export {checkpoint} {out_dir} --overwrite`"
+        )
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _save_shard(shard: dict[str, torch.Tensor], path: Path, out_dir: Path) -> None:
+    try:
+        save_file(shard, path, metadata={"format": "pt"})
+    except (OSError, SafetensorError) as exc:  # a full disk or a quota, raised by either
+        raise FinetuneError(
+            f"cannot write the export to {out_dir} ({first_line(exc)}); free space there or export to another folder"
+        ) from None
 
 
 class CheckpointWeights(ABC):
@@ -205,31 +254,8 @@ class _SafeMetadataReader(FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         if not hasattr(self, "_metadata"):
             with open(Path(self.path) / ".metadata", "rb") as f:
-                self._metadata = _MetadataUnpickler(f).load()
+                self._metadata = MetadataUnpickler(f).load()
         return self._metadata
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    _ALLOWED = {
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "WindowsPath"),
-    }
-
-    def find_class(self, module: str, name: str):
-        allowed = (
-            (module, name) in self._ALLOWED
-            or module == "torch.distributed.checkpoint.metadata"
-            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-        )
-        if not allowed:
-            raise FinetuneError(
-                f"checkpoint metadata refers to {module}.{name}, which a torch.distributed.checkpoint metadata file "
-                "never does; refusing to load it (the file may have been tampered with)"
-            )
-        return super().find_class(module, name)
 
 
 def _export_names(weights: CheckpointWeights, checkpoint: Path) -> dict[str, str]:
@@ -356,8 +382,16 @@ def _nbytes(layout: dict[str, torch.Tensor], names: list[str]) -> int:
     return sum(layout[name].numel() * layout[name].element_size() for name in names)
 
 
-def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    """Refuse to replace a model (or anything else) without overwrite."""
+def _check_out_dir(out_dir: Path, overwrite: bool, checkpoint: Path) -> None:
+    """Refuse to replace a model (or anything else) without overwrite, and any folder that holds,
+    is, or lies inside the checkpoint: replacing it would delete the source of the export."""
+    out, source = out_dir.resolve(), checkpoint.resolve()
+    if out == source or source in out.parents or out in source.parents:
+        where = "is" if out == source else "lies inside" if source in out.parents else "holds"
+        raise FinetuneError(
+            f"export folder {out_dir} {where} the checkpoint {checkpoint} it exports, which writing it would "
+            "destroy; export to a folder outside it, e.g. <output.dir>/final"
+        )
     if out_dir.exists() and not out_dir.is_dir():
         raise FinetuneError(f"export folder {out_dir} is a file; pass a folder path")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, first_line
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "ddp")
 
@@ -89,9 +89,15 @@ def read_launch(
     except yaml.YAMLError as exc:
         message = " ".join(str(exc).split())
         raise FinetuneError(f"accelerate config {config_path} is not valid YAML: {message}") from None
+    _check_accepted(config_path, raw)
     fsdp = raw.get("fsdp_config") or {}
     is_fsdp = raw.get("distributed_type") == "FSDP"
-    fsdp_version = int(fsdp.get("fsdp_version", 1)) if is_fsdp else 0
+    fsdp_version = fsdp.get("fsdp_version", 1) if is_fsdp else 0
+    if fsdp_version not in (0, 1, 2):
+        raise FinetuneError(
+            f"accelerate config {config_path} sets fsdp_version: {fsdp_version}; FSDP comes in versions 1 and 2: "
+            "use 2 (accelerate_configs/fsdp2_full_shard.yaml)"
+        )
     wrap = wrap_classes if wrap_classes is not None else fsdp.get("fsdp_transformer_layer_cls_to_wrap") or ""
     launch = Launch(
         config_path=config_path,
@@ -113,6 +119,26 @@ def read_launch(
     if problems:
         raise FinetuneError(f"cannot launch with {config_path}: " + "; ".join(problems))
     return launch
+
+
+def _check_accepted(config_path: Path, raw: object) -> None:
+    """Refuse here what `accelerate launch` would refuse when reading the file (unknown keys, no
+    distributed_type, such as a recipe passed as the accelerate config), with its reason."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    if not isinstance(raw, dict) or "distributed_type" not in raw:
+        raise FinetuneError(
+            f"{config_path} is not an accelerate config (no distributed_type); pass one of accelerate_configs/*.yaml "
+            "(recipes are the positional argument)"
+        )
+    try:
+        load_config_from_file(str(config_path))
+    except (ValueError, TypeError) as exc:
+        reason = first_line(exc).split(", please try")[0]
+        raise FinetuneError(
+            f"accelerate launch would refuse {config_path} ({reason}); fix the keys, comparing with "
+            "accelerate_configs/*.yaml"
+        ) from None
 
 
 def _pick(given, configured, default):

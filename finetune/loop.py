@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import secrets
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -34,10 +33,11 @@ from finetune.checkpoint import (
     load_checkpoint,
     resolve_resume,
     save_checkpoint,
+    step_of,
     tensor_names,
 )
 from finetune.config import RecipeConfig, save_recipe
-from finetune.data import IGNORE, Data, build_data
+from finetune.data import IGNORE, Data, build_data, check_sources
 from finetune.distributed import (
     PreemptionSignals,
     broadcast_module_states,
@@ -55,6 +55,7 @@ from finetune.memory import MemoryProbe, format_reports, gather_reports, memory_
 from finetune.metrics import MetricsLogger
 from finetune.model import (
     DTYPES,
+    check_max_length,
     check_tied_weights,
     checkpoint_dropout_exactly,
     load_model,
@@ -62,6 +63,7 @@ from finetune.model import (
     save_model_files,
 )
 from finetune.optim import build_optimizer, build_scheduler
+from finetune.outputs import check_output_dir, claim_output_dir
 from finetune.wrap import format_wrap_plan, fsdp_units, reshard, validate_wrap_policy
 
 logger = logging.getLogger("finetune")
@@ -103,12 +105,23 @@ class TrainResult:
     """The checkpoint of the last step, to export from; None when a preemption signal stopped training."""
 
 
-def train(recipe: RecipeConfig) -> TrainResult:
-    """Run the recipe under the accelerate config this process was launched with."""
+def preflight(recipe: RecipeConfig) -> Path | None:
+    """Everything about a run that can be checked before the model and data load (seconds, not
+    minutes): the output dir, the checkpoint to resume (returned), the data paths, the length limit."""
+    resume_from = resolve_resume(recipe.checkpoint.resume, Path(recipe.output.dir))
+    check_output_dir(
+        Path(recipe.output.dir), overwrite=recipe.output.overwrite, resume_from=resume_from,
+        max_steps=recipe.train.max_steps,
+    )  # fmt: skip
+    check_sources(recipe.data)
+    check_max_length(recipe.model, recipe.data.max_length)
+    return resume_from
+
+
+def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
+    """Run the recipe under the accelerate config this process was launched with, from `resume_from`
+    (a checkpoint `preflight` chose) or from the start."""
     output_dir = Path(recipe.output.dir)
-    resume_from = resolve_resume(recipe.checkpoint.resume, output_dir)
-    # Resuming a checkpoint found in output.dir continues that run; anything else needs output.overwrite.
-    _check_output_dir(output_dir, recipe.output.overwrite or resume_from is not None)
     accelerator = build_accelerator(
         trackers=recipe.output.trackers,
         project_dir=str(output_dir),
@@ -142,6 +155,11 @@ def train(recipe: RecipeConfig) -> TrainResult:
     eval_loader = accelerator.prepare(data.eval_loader) if data.eval_loader is not None else None
     check_tied_weights(accelerator.unwrap_model(model))
     max_steps = _max_steps(recipe, train_loader)
+    if resume_from is not None and step_of(resume_from) > max_steps:  # num_epochs runs learn max_steps only here
+        raise FinetuneError(
+            f"checkpoint {resume_from} is at step {step_of(resume_from)}, past the {max_steps} steps of "
+            f"train.num_epochs={recipe.train.num_epochs}; raise train.num_epochs to continue"
+        )
     scheduler = build_scheduler(optimizer.optimizer, recipe.optim, max_steps)
     write_model_files = functools.partial(save_model_files, accelerator.unwrap_model(model), tokenizer)
     run = Run(
@@ -153,9 +171,11 @@ def train(recipe: RecipeConfig) -> TrainResult:
         start = load_checkpoint(accelerator, resume_from, recipe)
         scheduler.load_state_dict(start.scheduler)
     # Everything is validated, built and restored: only now is the output dir written to.
-    _claim_output_dir(output_dir, accelerator, resumed_step=start.step if resume_from else None)
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        claim_output_dir(output_dir, resumed_step=start.step if resume_from else None)
         save_recipe(recipe, output_dir / "recipe.yaml")
+    _check_shared_output_dir(output_dir, accelerator)
 
     _log_setup(accelerator, recipe, data, model, max_steps, resume_from)
     metrics = MetricsLogger(accelerator, output_dir, max_steps, recipe.to_dict(), recipe.output.trackers)
@@ -349,32 +369,6 @@ def _max_steps(recipe: RecipeConfig, train_loader: DataLoader) -> int:
     if recipe.train.max_steps is not None:
         return recipe.train.max_steps
     return max(1, math.ceil(recipe.train.num_epochs * steps_per_epoch))
-
-
-def _check_output_dir(output_dir: Path, overwrite: bool) -> None:
-    """Refuse a non-empty output dir unless overwrite is set, so earlier results are never lost."""
-    if output_dir.exists() and any(output_dir.iterdir()) and not overwrite:
-        raise FinetuneError(
-            f"output dir {output_dir} is not empty; choose another output.dir or pass output.overwrite=true "
-            "to replace its contents"
-        )
-
-
-def _claim_output_dir(output_dir: Path, accelerator: Accelerator, resumed_step: int | None) -> None:
-    """Create the output dir. A fresh run clears an earlier run's results; a resumed run keeps its
-    metrics up to the checkpoint's step, since the steps after it are trained again."""
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        metrics_file = output_dir / "metrics.jsonl"
-        if resumed_step is None:
-            metrics_file.unlink(missing_ok=True)
-            shutil.rmtree(checkpoints_root(output_dir), ignore_errors=True)
-        elif metrics_file.exists():
-            kept = [line for line in metrics_file.read_text().splitlines() if json.loads(line)["step"] <= resumed_step]
-            metrics_file.write_text("".join(line + "\n" for line in kept))
-        shutil.rmtree(output_dir / "ranks", ignore_errors=True)
-    _check_shared_output_dir(output_dir, accelerator)
 
 
 def _check_shared_output_dir(output_dir: Path, accelerator: Accelerator) -> None:

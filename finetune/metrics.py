@@ -6,6 +6,7 @@ Metric names are stable: loss, lr, grad_norm, tokens_per_second, eval_loss.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.write(json_line({"step": step, **metrics}) + "\n")
         if "loss" in metrics:
             self.bar.set_postfix(
                 loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", tok_s=f"{metrics['tokens_per_second']:.0f}"
@@ -51,6 +52,13 @@ class MetricsLogger:
         self.bar.close()
         for tracker in self.accelerator.trackers:
             tracker.finish()
+
+
+def json_line(record: dict[str, float]) -> str:
+    """One line of strict JSON: a non-finite value (which Python would write as NaN or Infinity, which
+    JSON does not have) is written as null."""
+    clean = {key: None if isinstance(v, float) and not math.isfinite(v) else v for key, v in record.items()}
+    return json.dumps(clean, allow_nan=False)
 
 
 def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

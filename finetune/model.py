@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from accelerate import init_empty_weights
 from accelerate.utils import FullyShardedDataParallelPlugin
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -36,6 +37,18 @@ def check_model_path(name_or_path: str) -> None:
         )
 
 
+def check_max_length(cfg: ModelConfig, max_length: int) -> None:
+    """`data.max_length` within the positions the model was built for (read from its config only):
+    past them, learned position tables (GPT-2) fail in the first step, after minutes of loading."""
+    check_model_path(cfg.name_or_path)
+    limit = getattr(load_model_config(cfg).get_text_config(), "max_position_embeddings", None)
+    if isinstance(limit, int) and max_length > limit:
+        raise FinetuneError(
+            f"data.max_length={max_length} exceeds the {limit} positions of {cfg.name_or_path}; "
+            f"set data.max_length to {limit} or less"
+        )
+
+
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """The model's tokenizer, with a pad token (the EOS token when the tokenizer has none)."""
     check_model_path(cfg.name_or_path)
@@ -58,6 +71,8 @@ def load_model_config(cfg: ModelConfig) -> PretrainedConfig:
     source = cfg.config_file or cfg.name_or_path
     if cfg.config_file is not None and not Path(cfg.config_file).is_file():
         raise FinetuneError(f"model.config_file {cfg.config_file} does not exist; point it at a config.json")
+    if cfg.config_file is None:
+        check_model_path(cfg.name_or_path)
     try:
         return AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as exc:
@@ -94,7 +109,7 @@ def load_model(cfg: ModelConfig, activation_checkpointing: bool, *, read_weights
                     config, dtype=dtype, attn_implementation=attention, trust_remote_code=cfg.trust_remote_code
                 )
             model.tie_weights()  # not done for meta parameters, and rank 0's model has them tied
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, SafetensorError) as exc:  # SafetensorError: a truncated or damaged weights file
         raise FinetuneError(
             f"cannot load a causal LM from {cfg.name_or_path!r} ({first_line(exc)}); set model.name_or_path "
             "to a hub id or a local folder with config.json and safetensors weights"

@@ -154,7 +154,10 @@ def parse_memory(text: str) -> int:
         raise FinetuneError(f"--gpu-memory {text!r} is not a size; write it like 80GB or 24GiB")
     power = "KMGT".index(match.group(2).upper()) + 1
     base = 1024 if match.group(3) else 1000
-    return int(float(match.group(1)) * base**power)
+    size = int(float(match.group(1)) * base**power)
+    if size <= 0:
+        raise FinetuneError(f"--gpu-memory {text!r} is no memory; give the memory of one device, like 80GB")
+    return size
 
 
 def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:

@@ -68,7 +68,7 @@ def test_all_errors_reported_at_once(tmp_path):
         "unknown key bogus; valid keys: model, data, optim, train, output, checkpoint",
         "optim.schedule must be one of cosine, linear, constant; got 'cosin'",
         "train.micro_batch_size must be int, got 'two'",
-        "model.name_or_path must be str, got None",
+        "model.name_or_path is empty; give it a str value",
     ):
         assert fragment in message
 
@@ -90,6 +90,12 @@ def test_missing_required_keys(tmp_path):
         (["data.eval_fraction=0.1", "data.eval_path=e.jsonl"], "set data.eval_path or data.eval_fraction, not both"),
         (["optim.lr=0"], "optim.lr must be > 0"),
         (["data.max_length=4"], "data.max_length must be >= 8"),
+        (["optim.adam_beta1=1.5"], r"optim.adam_beta1 must be in \[0, 1\), got 1.5"),
+        (["optim.adam_beta2=-0.1"], r"optim.adam_beta2 must be in \[0, 1\)"),
+        (["optim.adam_eps=-1e-8"], "optim.adam_eps must be >= 0"),
+        (["optim.weight_decay=-0.1"], "optim.weight_decay must be >= 0"),
+        (["output.dir=' '"], "output.dir is empty; name a folder for this run"),
+        (["output.trackers=[tensorbord]"], "output.trackers names tensorbord; use any of tensorboard, wandb"),
     ],
 )
 def test_cross_field_checks_name_the_fix(tmp_path, overrides, message):
@@ -108,3 +114,14 @@ def test_saved_recipe_round_trips(tmp_path):
     recipe = load_recipe(write(tmp_path, MINIMAL), ["optim.lr=2e-4"])
     save_recipe(recipe, tmp_path / "resolved.yaml")
     assert load_recipe(tmp_path / "resolved.yaml") == recipe
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_non_finite_numbers_are_refused_in_every_numeric_field(tmp_path, value):
+    """NaN passes every range check (all comparisons are false): a NaN max_grad_norm once exported all-NaN weights."""
+    fields = ["optim.lr", "optim.max_grad_norm", "optim.adam_eps", "train.max_steps", "train.micro_batch_size"]
+    with pytest.raises(ConfigError) as info:
+        load_recipe(write(tmp_path, MINIMAL), [f"{name}={value}" for name in fields])
+    assert str(info.value).startswith(f"{len(fields)} problems")
+    for name in fields:
+        assert f"{name} must be a finite number" in str(info.value)

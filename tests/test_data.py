@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import datasets
 import pytest
 from transformers import AutoTokenizer
@@ -9,17 +11,16 @@ from transformers import AutoTokenizer
 from finetune.config import DataConfig
 from finetune.data import (
     IGNORE,
-    _tokenize_batch,
+    check_sources,
     collate_padded,
     detect_format,
     encode_chats,
-    encode_prompt_completions,
-    encode_texts,
     load_split,
     pack,
     prepare_split,
     tokenize,
 )
+from finetune.data.tokenize import _tokenize_batch, encode_prompt_completions, encode_texts
 from finetune.errors import FinetuneError
 
 
@@ -62,7 +63,7 @@ def test_text_trains_everything_and_ends_with_eos(tokenizer):
 
 def test_targets_are_next_tokens_within_the_sample(tokenizer):
     batch = {"messages": [chat(("user", "reverse: 1 2 3"), ("assistant", "3 2 1"))]}
-    row = _tokenize_batch(batch, tokenizer=tokenizer, fmt="chat", max_length=64, completion_only=True)
+    row = _tokenize_batch(batch, [0], tokenizer=tokenizer, fmt="chat", max_length=64, completion_only=True)
     [ids], [targets] = row["input_ids"], row["target_ids"]
     assert len(ids) == len(targets) and targets[-1] == IGNORE and row["truncated"] == [False]
     assert row["num_targets"] == [sum(t != IGNORE for t in targets)]
@@ -149,7 +150,7 @@ def test_local_files_load(tmp_path, suffix):
 
 def test_unloadable_datasets_say_what_to_fix(tmp_path):
     (tmp_path / "data.txt").write_text("x")
-    with pytest.raises(FinetuneError, match="unsupported file type"):
+    with pytest.raises(FinetuneError, match="holds .txt files; a data path is one file or a folder"):
         load_split(str(tmp_path / "data.txt"), "train")
     with pytest.raises(FinetuneError, match="cannot load dataset .*check data.train_path"):
         load_split(str(tmp_path / "missing"), "train")
@@ -166,3 +167,86 @@ def test_tokenization_is_cached_by_datasets(tmp_path, tokenizer):
     assert first.cache_files and first.cache_files == second.cache_files
     other = tokenize(load_split(str(path), "train"), tokenizer, DataConfig(train_path=str(path), max_length=16))
     assert other.cache_files != first.cache_files  # settings are part of the cache key
+
+
+def test_content_parts_render_as_their_text(tokenizer):
+    """Current datasets give content as a list of parts; it must train as that text, never as its repr."""
+    plain = chat(("user", "reverse: 1 2"), ("assistant", "2 1"))
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "reverse: "}, {"type": "text", "text": "1 2"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "2 1"}], "tool_calls": None},
+    ]
+    assert encode_chats([parts], tokenizer, True) == encode_chats([plain], tokenizer, True)
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        (
+            [{"role": "user", "content": "q"}, {"role": "assistant"}],
+            r"sample 7, message 1 \(assistant\) has no content",
+        ),
+        ([{"role": "user", "content": "q"}, {"role": "assistant", "content": None}], "message 1 .* has no content"),
+        ([{"content": "q"}], "sample 7, message 0: expected an object with a text role"),
+        ("hello", "sample 7: messages must be a non-empty list of {role, content} objects, got str"),
+        ([], "sample 7: messages must be a non-empty list"),
+        ([{"role": "user", "content": [{"type": "image", "url": "x"}]}], "is not text; finetune trains on text parts"),
+        ([{"role": "user", "content": 3}], "content must be text, got int"),
+    ],
+)
+def test_malformed_conversations_name_the_sample(tokenizer, messages, message):
+    with pytest.raises(FinetuneError, match=message):
+        encode_chats([messages], tokenizer, True, indices=[7])
+
+
+def test_null_prompt_completion_or_text_names_the_sample(tokenizer):
+    batch = {"prompt": ["a", None], "completion": ["b", "c"]}
+    with pytest.raises(FinetuneError, match="sample 4: prompt must be text, got NoneType"):
+        _tokenize_batch(
+            batch, [3, 4], tokenizer=tokenizer, fmt="prompt_completion", max_length=64, completion_only=True
+        )
+
+
+def test_chat_data_needs_a_chat_template(tokenizer):
+    cfg = DataConfig(train_path="x", max_length=64)
+    data = datasets.Dataset.from_list([{"messages": chat(("user", "q"), ("assistant", "a"))}])
+    bare = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    bare.chat_template = None
+    with pytest.raises(FinetuneError, match="the tokenizer has no chat template"):
+        tokenize(data, bare, cfg)
+
+
+def test_data_without_anything_to_train_says_so(tokenizer):
+    cfg = DataConfig(train_path="x", max_length=64)
+    data = datasets.Dataset.from_list([{"messages": chat(("user", "q"))}] * 3)
+    with pytest.raises(FinetuneError, match="none of the 3 samples has a token to train on \\(no assistant turn"):
+        prepare_split(data, tokenizer, cfg, seed=0)
+
+
+def test_local_sources_are_checked_before_loading(tmp_path):
+    rows = "".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(3))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(rows)
+    (folder / "b.jsonl").write_text(rows)
+    assert len(load_split(str(folder), "train")) == 6  # every file of the folder
+    (folder / "c.csv").write_text("text\nhello\n")
+    with pytest.raises(
+        FinetuneError, match=r"holds .csv, .jsonl files; a data path is one file or a folder of files of one"
+    ):
+        check_sources(DataConfig(train_path=str(folder), max_length=64))
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(FinetuneError, match="empty.jsonl is empty"):
+        check_sources(DataConfig(train_path=str(tmp_path / "empty.jsonl"), max_length=64))
+    with pytest.raises(FinetuneError, match="data.train_path .*missing.jsonl does not exist"):
+        check_sources(DataConfig(train_path=str(tmp_path / "missing.jsonl"), max_length=64))
+    (folder / "c.csv").unlink()
+    with pytest.raises(FinetuneError, match="data.train_split='test' has no effect on local data"):
+        check_sources(DataConfig(train_path=str(folder), train_split="test", max_length=64))
+
+
+def test_bytes_that_are_not_utf8_are_located(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(FinetuneError, match=r"latin1.jsonl:2: byte 0xe9 at column 14 is not UTF-8"):
+        load_split(str(path), "train")

@@ -59,14 +59,74 @@ def test_non_empty_output_dir_is_refused(tmp_path, demo_assets):
     assert (output_dir / "metrics.jsonl").read_text() == "{}\n"
 
 
-def test_diverging_run_stops_naming_the_step(tmp_path, demo_assets):
+@pytest.mark.multiprocess
+def test_a_fresh_run_that_fails_leaves_no_earlier_results_beside_its_recipe(tmp_path, demo_assets, fsdp2_run):
+    """Overwriting a finished run, then diverging: the folder must not look like a finished run of the new recipe."""
+    output_dir = tmp_path / "out"
+    shutil.copytree(fsdp2_run.output_dir, output_dir)
     overrides = recipe_overrides(
-        demo_assets, tmp_path / "out", **{"optim.lr": "1e12", "optim.max_grad_norm": 0, "optim.warmup_steps": 0}
-    )
+        demo_assets, output_dir,
+        **{"optim.lr": "1e12", "optim.max_grad_norm": 0, "optim.warmup_steps": 0, "output.overwrite": "true"},
+    )  # fmt: skip
     result = run_cli("train", str(DEMO_RECIPE), *overrides)
     assert result.returncode == 2
     assert_user_error(result, "training diverged before this update was applied")
     assert "finetune: error: step " in result.stderr
+    assert "lr: 1000000000000.0" in (output_dir / "recipe.yaml").read_text()
+    left = {p.name for p in output_dir.iterdir()}
+    assert not left & {"final", "final_logits.safetensors", "checkpoints", "finetune", ".finetune.lock"}, left
+    for line in (output_dir / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=lambda name: pytest.fail(f"metrics.jsonl holds {name}, which is not JSON"))
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path, demo_assets):
+    import os
+
+    from finetune.outputs import run_lock
+
+    output_dir = tmp_path / "out"
+    with run_lock(output_dir):  # as a running training's main process holds it
+        result = run_cli("train", str(DEMO_RECIPE), *recipe_overrides(demo_assets, output_dir))
+    assert_user_error(result, f"output.dir {output_dir} is in use by process {os.getpid()}")
+    assert not output_dir.exists()
+
+
+def test_metrics_are_strict_json():
+    from finetune.metrics import json_line
+
+    assert json_line({"step": 3, "loss": float("inf"), "grad_norm": float("nan"), "lr": 1e-3}) == (
+        '{"step": 3, "loss": null, "grad_norm": null, "lr": 0.001}'
+    )
+
+
+@pytest.mark.multiprocess
+def test_a_data_error_under_two_processes_is_one_line(tmp_path, demo_assets):
+    """Rank 0 finds the bad sample; rank 1 must stop with it, not with a gloo traceback through our frames."""
+    data = tmp_path / "chat.jsonl"
+    good = (demo_assets / "data" / "train.jsonl").read_text().splitlines()[:20]
+    data.write_text("\n".join(good) + "\n" + json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n")
+    data.write_text(data.read_text() + json.dumps({"messages": [{"role": "assistant"}]}) + "\n")
+    output_dir = tmp_path / "out"
+    result = launch("fsdp2_full_shard.yaml", recipe_overrides(demo_assets, output_dir, **{"data.train_path": data}))
+    assert_user_error(result, "sample 21, message 0 (assistant) has no content")
+    assert not output_dir.exists()
+
+
+def test_damaged_model_weights_are_a_user_error(tmp_path, demo_assets):
+    from finetune.config import ModelConfig
+    from finetune.errors import FinetuneError
+    from finetune.model import check_max_length, load_model
+
+    model = tmp_path / "model"
+    shutil.copytree(demo_assets / "base", model)
+    with (model / "model.safetensors").open("r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(FinetuneError, match=f"cannot load a causal LM from '{model}' \\(Error while deserializing"):
+        load_model(ModelConfig(name_or_path=str(model)), activation_checkpointing=False)
+    with pytest.raises(
+        FinetuneError, match="data.max_length=4096 exceeds the 256 positions of .*; set data.max_length"
+    ):
+        check_max_length(ModelConfig(name_or_path=str(model)), 4096)
 
 
 @pytest.mark.multiprocess
@@ -139,5 +199,5 @@ def test_export_of_a_damaged_checkpoint_leaves_no_folder(fsdp2_run, tmp_path):
     shutil.copytree(fsdp2_run.output_dir / "checkpoints" / "step_16", damaged)
     (damaged / "pytorch_model_fsdp_0" / "__1_0.distcp").write_bytes(b"")  # rank 1's shard lost
     out = tmp_path / "out"
-    assert_user_error(run_cli("export", str(damaged), str(out)), "its files are damaged or incomplete")
+    assert_user_error(run_cli("export", str(damaged), str(out)), "pytorch_model_fsdp_0/__1_0.distcp is 0 bytes of")
     assert not out.exists() and not (tmp_path / "out.partial").exists()

@@ -49,3 +49,35 @@ def test_make_train_stops_before_launching_a_multi_node_run_without_address():
     assert result.returncode != 0
     assert "needs MAIN_PROCESS_IP" in result.stderr and "Traceback" not in result.stderr
     assert "accelerate launch" not in result.stdout  # make stopped at the check
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 3\n",
+            "sets fsdp_version: 3; FSDP comes in versions 1",
+        ),
+        (
+            "distributed_type: NO\nnum_processes: 1\nnum_procesess: 2\n",
+            r"accelerate launch would refuse .*num_procesess",
+        ),
+        ("model:\n  name_or_path: x\ndata: {}\n", "is not an accelerate config \\(no distributed_type\\)"),
+    ],
+)
+def test_check_refuses_what_the_launcher_refuses(tmp_path, config, message):
+    """A config that `check` approves and `accelerate launch` rejects sends a job to the queue for nothing."""
+    path = tmp_path / "config.yaml"
+    path.write_text(config)
+    with pytest.raises(FinetuneError, match=message):
+        read_launch(path, environ={})
+
+
+def test_make_targets_pass_recipe_overrides():
+    """`make train-tiny|check|plan ARGS=...` must hand ARGS to finetune, not run the defaults."""
+    for target in ("train-tiny", "check", "plan"):
+        result = subprocess.run(
+            ["make", "-n", target, "ARGS=train.max_steps=7"], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
+        command = next(line for line in result.stdout.splitlines() if "-m finetune" in line)
+        assert "train.max_steps=7" in command, (target, command)

@@ -9,10 +9,11 @@ import sys
 import pytest
 from conftest import CONFIGS, DEMO_RECIPE, REPO, Run
 
-from finetune.config import load_recipe
+from finetune.config import ModelConfig, load_recipe
+from finetune.errors import FinetuneError
 from finetune.launch import read_launch
-from finetune.model import meta_model
-from finetune.plan import activation_bytes, estimate, model_shape
+from finetune.model import load_model_config, meta_model
+from finetune.plan import activation_bytes, estimate, model_shape, parse_memory
 
 pytestmark = pytest.mark.multiprocess
 
@@ -83,3 +84,11 @@ def test_plan_command_gives_a_table_and_a_verdict(demo_assets):
     assert bad.returncode == 2 and "NUM_PROCESSES=3 is not a multiple of NUM_MACHINES=2" in bad.stderr
     bad = run_plan(model, "--config", config, "--num-processes", "2", "--gpu-memory", "80XB")
     assert bad.returncode == 2 and "write it like 80GB" in bad.stderr
+
+
+def test_plan_inputs_that_cannot_be_planned(tmp_path):
+    with pytest.raises(FinetuneError, match="--gpu-memory '0GB' is no memory"):
+        parse_memory("0GB")
+    missing = tmp_path / "no_model"
+    with pytest.raises(FinetuneError, match=f"model.name_or_path {missing} is not a folder"):
+        load_model_config(ModelConfig(name_or_path=str(missing)))

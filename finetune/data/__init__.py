@@ -1,0 +1,126 @@
+"""Datasets -> tokenized samples with loss targets -> packed or padded batches.
+
+One module per stage, in the order the data flows: `sources` (files or hub), `chat` (conversations
+rendered by the chat template), `tokenize` (every format -> input and target ids), `pack` (rows and
+batches); this module runs them for a recipe and builds the loaders.
+
+Every sample becomes `input_ids` plus `target_ids`, where `target_ids[i]` is the token the model
+must predict after `input_ids[i]`, or IGNORE where no loss is taken. Shifting inside each sample
+(rather than inside the model) means a packed row never asks one sample to predict the next.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import datasets
+import pyarrow.compute
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerBase
+
+from finetune.config import DataConfig
+from finetune.data.chat import encode_chats
+from finetune.data.pack import collate_packed, collate_padded, pack
+from finetune.data.sources import check_sources, load_split
+from finetune.data.tokenize import IGNORE, detect_format, tokenize
+from finetune.distributed import main_process_first
+from finetune.errors import FinetuneError
+
+__all__ = [
+    "IGNORE", "Data", "DataStats", "build_data", "check_sources", "collate_packed", "collate_padded",
+    "detect_format", "encode_chats", "load_split", "pack", "prepare_split", "tokenize",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DataStats:
+    """What tokenization did to one split; logged so that truncation is never silent."""
+
+    num_samples: int
+    num_truncated: int
+    num_dropped: int
+    num_tokens: int
+    num_target_tokens: int
+    num_rows: int
+
+    def describe(self, split: str) -> str:
+        return (
+            f"{split}: {self.num_samples:,} samples, {self.num_tokens:,} tokens ({self.num_target_tokens:,} trained), "
+            f"{self.num_truncated:,} truncated, {self.num_dropped:,} dropped with no target token, "
+            f"{self.num_rows:,} rows"
+        )
+
+
+def prepare_split(
+    raw: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, seed: int
+) -> tuple[datasets.Dataset, DataStats]:
+    """Tokenize, drop samples left with nothing to train on, and pack (after a seeded shuffle) if asked."""
+    tokenized = tokenize(raw, tokenizer, cfg)
+    kept = tokenized.filter(lambda counts: [n > 0 for n in counts], input_columns="num_targets", batched=True)
+    if len(kept) == 0:
+        trained = "assistant turn" if "messages" in raw.column_names else "completion or text"
+        raise FinetuneError(
+            f"none of the {len(tokenized):,} samples has a token to train on (no {trained} within data.max_length="
+            f"{cfg.max_length} tokens); check the data, or raise data.max_length"
+        )
+    rows = pack(kept.shuffle(seed=seed), cfg.max_length, tokenizer.pad_token_id) if cfg.packing else kept
+    # Counted in Arrow, without turning every sample into Python lists.
+    table = tokenized.with_format("arrow")[:]
+    num_targets = table["num_targets"].to_numpy()
+    lengths = pyarrow.compute.list_value_length(table["input_ids"]).to_numpy()
+    stats = DataStats(
+        num_samples=len(tokenized),
+        num_truncated=int(pyarrow.compute.sum(table["truncated"]).as_py() or 0),
+        num_dropped=len(tokenized) - len(kept),
+        num_tokens=int(lengths[num_targets > 0].sum()),
+        num_target_tokens=int(num_targets.sum()),
+        num_rows=len(rows),
+    )
+    return rows, stats
+
+
+@dataclass
+class Data:
+    train_loader: DataLoader
+    eval_loader: DataLoader | None
+    train_stats: DataStats
+    eval_stats: DataStats | None
+
+
+def build_data(
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, accelerator: Accelerator, *, seed: int, micro_batch_size: int
+) -> Data:
+    """Train and eval dataloaders (not yet prepared). The main process tokenizes first; the others hit its cache."""
+
+    def load_and_prepare():
+        train_raw = load_split(cfg.train_path, cfg.train_split)
+        eval_raw = load_split(cfg.eval_path, cfg.eval_split) if cfg.eval_path else None
+        if eval_raw is None and cfg.eval_fraction > 0:
+            split = train_raw.train_test_split(test_size=cfg.eval_fraction, seed=seed)
+            train_raw, eval_raw = split["train"], split["test"]
+        train = prepare_split(train_raw, tokenizer, cfg, seed)
+        return train, prepare_split(eval_raw, tokenizer, cfg, seed) if eval_raw is not None else (None, None)
+
+    (train_rows, train_stats), (eval_rows, eval_stats) = main_process_first(accelerator, load_and_prepare)
+    needed = micro_batch_size * accelerator.num_processes
+    if len(train_rows) < needed:
+        raise FinetuneError(
+            f"the training data yields {len(train_rows)} rows but one step needs micro_batch_size x processes = "
+            f"{needed}; add data or lower train.micro_batch_size"
+        )
+    collate = collate_packed if cfg.packing else functools.partial(collate_padded, pad_id=tokenizer.pad_token_id)
+    train_loader = DataLoader(
+        train_rows,
+        batch_size=micro_batch_size,
+        shuffle=True,
+        drop_last=True,
+        collate_fn=collate,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    eval_loader = None
+    if eval_rows is not None and len(eval_rows) > 0:
+        eval_loader = DataLoader(eval_rows, batch_size=micro_batch_size, collate_fn=collate)
+    return Data(train_loader, eval_loader, train_stats, eval_stats)

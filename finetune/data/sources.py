@@ -1,0 +1,99 @@
+"""Where samples come from: local json/jsonl/csv/parquet files or folders of them, or the hub.
+
+Local paths are checked before anything loads (they exist, hold one file type, are not empty), and
+a file that cannot be read is reported with the file and line where it stops being valid.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+
+from finetune.config import DataConfig
+from finetune.errors import FinetuneError, first_line
+
+LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def check_sources(cfg: DataConfig) -> None:
+    """What can be checked of the data before anything loads: local paths exist, hold one supported
+    file type, and are not empty; splits are named only where there are splits to choose."""
+    for path, split, key in ((cfg.train_path, cfg.train_split, "train"), (cfg.eval_path, cfg.eval_split, "eval")):
+        if path is None:
+            continue
+        local = Path(path).expanduser()
+        looks_local = local.exists() or local.suffix in LOCAL_BUILDERS or path.startswith(("/", "./", "../", "~"))
+        if not looks_local:
+            continue  # a hub dataset id
+        if not local.exists():
+            raise FinetuneError(f"data.{key}_path {path} does not exist; point it at a data file or folder")
+        local_files(local)  # raises for unsupported, mixed or empty
+        if split != "train":
+            raise FinetuneError(
+                f"data.{key}_split={split!r} has no effect on local data {path}, which is one split; point "
+                f"data.{key}_path at that split's file and leave data.{key}_split out"
+            )
+
+
+def local_files(path: Path) -> tuple[str, list[str]]:
+    """The `datasets` builder and the files of a local data file, or of a folder of them."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p, path))
+    kinds = {LOCAL_BUILDERS.get(p.suffix) for p in files}
+    if None in kinds or len(kinds) > 1:
+        found = ", ".join(sorted({p.suffix or p.name for p in files}))
+        raise FinetuneError(
+            f"{path} holds {found} files; a data path is one file or a folder of files of one type "
+            f"({', '.join(LOCAL_BUILDERS)}): move the others out"
+        )
+    if not files or all(p.stat().st_size == 0 for p in files):
+        raise FinetuneError(f"{path} is empty; point the data path at a file with samples")
+    return kinds.pop(), [str(p) for p in files]
+
+
+def _hidden(file: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in file.relative_to(root).parts)
+
+
+def load_split(path: str, split: str) -> datasets.Dataset:
+    """A split from a local json/jsonl/csv/parquet file or folder of them, or from the hub."""
+    local = Path(path).expanduser()
+    try:
+        if local.exists():
+            builder, files = local_files(local)
+            dataset = datasets.load_dataset(builder, data_files=files, split="train")
+            # datasets stores text that is not UTF-8 as is, to fail on first access deep inside a map; this
+            # full validation (Arrow, in C++) finds it now, and the message below says where it is.
+            dataset.data.table.validate(full=True)
+            return dataset
+        return datasets.load_dataset(path, split=split)
+    except FinetuneError:
+        raise
+    except Exception as exc:  # datasets raises many types for missing files, bad JSON, no network
+        where = _locate_problem(local) if local.exists() else None
+        raise FinetuneError(
+            f"cannot load dataset {path!r} split {split!r}: {where or first_line(exc)}; check data.train_path / "
+            "data.eval_path"
+        ) from None
+
+
+def _locate_problem(path: Path) -> str | None:
+    """The file and line where a local text dataset stops being valid UTF-8 (or, for JSON Lines,
+    valid JSON), for the error message."""
+    files = [path] if path.is_file() else sorted(path.rglob("*"))
+    for file in files:
+        if file.suffix not in (".json", ".jsonl", ".csv"):
+            continue
+        with file.open("rb") as f:
+            for number, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    return f"{file}:{number}: byte {raw[exc.start]:#04x} at column {exc.start + 1} is not UTF-8"
+                try:
+                    if file.suffix == ".jsonl" and line.strip():
+                        json.loads(line)
+                except ValueError as exc:
+                    return f"{file}:{number}: not a JSON object ({exc})"
+    return None

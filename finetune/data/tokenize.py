@@ -1,0 +1,106 @@
+"""Samples of any format -> `input_ids` plus `target_ids` (the next token where loss is taken, else IGNORE).
+
+Shifting inside each sample (rather than inside the model) means a packed row never asks one
+sample to predict the next.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import datasets
+from transformers import PreTrainedTokenizerBase
+
+from finetune.config import DataConfig
+from finetune.data.chat import describe, encode_chats
+from finetune.errors import FinetuneError
+
+IGNORE = -100
+FORMAT_COLUMNS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
+
+
+def detect_format(columns: list[str], requested: str) -> str:
+    """The sample format, from `data.format` or (for auto) from the columns present."""
+    candidates = [requested] if requested != "auto" else list(FORMAT_COLUMNS)
+    for name in candidates:
+        if all(column in columns for column in FORMAT_COLUMNS[name]):
+            return name
+    expected = " or ".join("+".join(cols) for cols in (FORMAT_COLUMNS[c] for c in candidates))
+    hint = "" if requested == "auto" else ", or set data.format to match the data"
+    raise FinetuneError(f"dataset has columns {columns}, expected {expected}; rename the columns{hint}")
+
+
+def encode_prompt_completions(
+    prompts: list[str], completions: list[str], tokenizer: PreTrainedTokenizerBase, completion_only: bool
+) -> list[tuple[list[int], list[bool]]]:
+    """Prompt tokens (with the tokenizer's BOS if it adds one), then completion tokens and EOS."""
+    prompt_ids = tokenizer(prompts)["input_ids"]
+    eos = [tokenizer.eos_token_id]
+    completion_ids = [ids + eos for ids in tokenizer(completions, add_special_tokens=False)["input_ids"]]
+    return [
+        (prompt + completion, [not completion_only] * len(prompt) + [True] * len(completion))
+        for prompt, completion in zip(prompt_ids, completion_ids, strict=True)
+    ]
+
+
+def encode_texts(texts: list[str], tokenizer: PreTrainedTokenizerBase) -> list[tuple[list[int], list[bool]]]:
+    """Plain text, all tokens trained, ending with EOS."""
+    return [(ids + [tokenizer.eos_token_id], [True] * (len(ids) + 1)) for ids in tokenizer(texts)["input_ids"]]
+
+
+def _texts(batch: dict[str, list], column: str, indices: list[int]) -> list[str]:
+    """A text column, or a data error naming the first sample where it is not text."""
+    for value, index in zip(batch[column], indices, strict=True):
+        if not isinstance(value, str):
+            raise FinetuneError(f"sample {index}: {column} must be text, got {describe(value)}; fix or remove it")
+    return batch[column]
+
+
+def _tokenize_batch(
+    batch: dict[str, list],
+    indices: list[int],
+    *,
+    tokenizer: PreTrainedTokenizerBase,
+    fmt: str,
+    max_length: int,
+    completion_only: bool,
+) -> dict[str, list]:
+    if fmt == "chat":
+        encoded = encode_chats(batch["messages"], tokenizer, completion_only, indices)
+    elif fmt == "prompt_completion":
+        prompts, completions = _texts(batch, "prompt", indices), _texts(batch, "completion", indices)
+        encoded = encode_prompt_completions(prompts, completions, tokenizer, completion_only)
+    else:
+        encoded = encode_texts(_texts(batch, "text", indices), tokenizer)
+    out: dict[str, list] = {"input_ids": [], "target_ids": [], "truncated": [], "num_targets": []}
+    for ids, trained in encoded:
+        out["truncated"].append(len(ids) > max_length)
+        ids, trained = ids[:max_length], trained[:max_length]
+        # target_ids[i] is the token after input_ids[i] when that token is trained; the last has no successor.
+        targets = [ids[i + 1] if trained[i + 1] else IGNORE for i in range(len(ids) - 1)] + [IGNORE]
+        out["input_ids"].append(ids)
+        out["target_ids"].append(targets)
+        out["num_targets"].append(sum(target != IGNORE for target in targets))
+    return out
+
+
+def tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> datasets.Dataset:
+    """Tokenize and mask every sample (cached by `datasets` under the fingerprint of data and settings)."""
+    if len(dataset) == 0:
+        raise FinetuneError("the dataset is empty; point data.train_path at a file with samples")
+    fmt = detect_format(dataset.column_names, cfg.format)
+    if fmt == "chat" and not tokenizer.chat_template:
+        raise FinetuneError(
+            "the data is chat (messages) but the tokenizer has no chat template; use an instruct model's tokenizer, "
+            "or give the data as prompt/completion or text"
+        )
+    encode = functools.partial(
+        _tokenize_batch,
+        tokenizer=tokenizer,
+        fmt=fmt,
+        max_length=cfg.max_length,
+        completion_only=cfg.completion_only_loss and fmt != "text",
+    )
+    return dataset.map(
+        encode, batched=True, with_indices=True, remove_columns=dataset.column_names, desc=f"tokenizing ({fmt})"
+    )
