@@ -37,6 +37,11 @@ MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 MODEL_FILES = "hf"
 TENSOR_NAMES = "tensor_names.json"
+ADAPTER_STATE = "adapter_state"
+"""In the checkpoint of an adapter run: the DCP folder of adapter weights ("model.<name>") and their
+optimizer state, in place of accelerate's model and optimizer files (see finetune.adapters)."""
+ADAPTER_NAMES = "adapter_names.json"
+"""In `hf/` of an adapter checkpoint: parameter name -> the key PEFT saves it under, for the export."""
 _STEP_FOLDER = re.compile(r"step_(\d+)")
 
 
@@ -215,11 +220,13 @@ def save_checkpoint(
     keep_last: int,
     write_model_files: Callable[[Path], None],
     names: list[list[str]],
+    save_state: Callable[[Path], None],
 ) -> Path:
     """Write `step_<N>` atomically on every process (collective), then prune to the newest `keep_last`.
 
-    `write_model_files(folder)` writes the config, generation config and tokenizer files there;
-    `names` are the model's `tensor_names`, taken before FSDP wrapped it.
+    `save_state(folder)` writes the training state there (collective: accelerate's save_state, or
+    the adapters' own); `write_model_files(folder)` writes the config, generation config and
+    tokenizer files; `names` are the model's `tensor_names`, taken before FSDP wrapped it.
     """
     root = checkpoints_root(output_dir)
     final = root / f"step_{state.step}"
@@ -229,7 +236,7 @@ def save_checkpoint(
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
     try:
-        accelerator.save_state(str(partial))
+        save_state(partial)
     except (OSError, SafetensorError, CheckpointException) as exc:  # a full disk or quota, as each writer reports it
         raise FinetuneError(
             f"cannot write checkpoint {final} ({first_line(exc)}); free space under {output_dir} (the previous "
@@ -250,8 +257,20 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path, recipe: RecipeConfig) -> TrainerState:
-    """Restore model, optimizer, scheduler and RNG states from `path`; return where training stands."""
+def check_resume_kind(path: Path, adapters: bool) -> None:
+    """An adapter checkpoint resumes only an adapter recipe, and a full one only a full recipe."""
+    saved_adapters = (path / ADAPTER_STATE).is_dir()
+    if saved_adapters != adapters:
+        saved, recipe = ("an adapter", "has no peft section") if saved_adapters else ("a full fine-tuning", "has one")
+        raise FinetuneError(
+            f"checkpoint {path} is of {saved} run but the recipe {recipe}; resume it with the recipe it was trained "
+            "with, or start in a new output.dir"
+        )
+
+
+def load_checkpoint(path: Path, recipe: RecipeConfig, load_state: Callable[[Path], None]) -> TrainerState:
+    """Restore model, optimizer and RNG states from `path` with `load_state` (collective); return
+    where training stands, with the scheduler's state."""
     state = TrainerState(**json.loads((path / STATE_FILE).read_text()))  # checked by resolve_resume
     if state.model_name_or_path != recipe.model.name_or_path:
         raise FinetuneError(
@@ -259,7 +278,9 @@ def load_checkpoint(accelerator: Accelerator, path: Path, recipe: RecipeConfig) 
             f"{recipe.model.name_or_path!r}; resume with the same model.name_or_path or start a new output.dir"
         )
     try:
-        accelerator.load_state(str(path))
+        load_state(path)
+    except FinetuneError:
+        raise
     except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
         raise FinetuneError(
             f"cannot restore checkpoint {path} ({first_line(exc)}); resume an earlier step_<N> folder"

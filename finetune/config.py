@@ -168,6 +168,33 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class PeftConfig:
+    """Parameter-efficient fine-tuning: train low-rank adapters on a frozen base (absent = full fine-tuning)."""
+
+    method: Literal["lora", "dora"] = "lora"
+    """lora, or dora (LoRA plus a trained magnitude per output feature: weight-decomposed LoRA)."""
+
+    r: int = 16
+    """Rank of each adapter's update B @ A."""
+
+    alpha: float = 32.0
+    """The update is scaled by alpha / r (alpha / sqrt(r) with use_rslora)."""
+
+    dropout: float = 0.0
+    """Dropout on each adapter's input, while training."""
+
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Linear modules that get adapters, by name (e.g. [q_proj, k_proj, v_proj, o_proj]); [all-linear]
+    for every linear layer but the output head."""
+
+    use_rslora: bool = False
+    """Rank-stabilized scaling alpha / sqrt(r), which keeps high ranks from learning more slowly."""
+
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained in full beside the adapters and saved with them, e.g. [lm_head] (not on tied embeddings)."""
+
+
+@dataclass(kw_only=True)
 class RecipeConfig:
     model: ModelConfig
     data: DataConfig
@@ -175,6 +202,7 @@ class RecipeConfig:
     train: TrainConfig
     output: OutputConfig
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    peft: PeftConfig | None = None
 
     def cross_field_errors(self) -> list[str]:
         """Problems that involve more than one field, each with its fix."""
@@ -218,9 +246,24 @@ class RecipeConfig:
             errors.append(f"optim.weight_decay must be >= 0, got {optim.weight_decay}")
         if not self.output.dir.strip():
             errors.append("output.dir is empty; name a folder for this run, e.g. output.dir=outputs/my_run")
+        if self.peft is not None:
+            errors.extend(self.peft_errors(self.peft))
         unknown = [name for name in self.output.trackers if name not in TRACKERS]
         if unknown:
             errors.append(f"output.trackers names {', '.join(unknown)}; use any of {', '.join(TRACKERS)}")
+        return errors
+
+    @staticmethod
+    def peft_errors(peft: PeftConfig) -> list[str]:
+        errors = []
+        if peft.r < 1:
+            errors.append(f"peft.r must be >= 1, got {peft.r}")
+        if peft.alpha <= 0:
+            errors.append(f"peft.alpha must be > 0, got {peft.alpha}")
+        if not 0.0 <= peft.dropout < 1.0:
+            errors.append(f"peft.dropout must be in [0, 1), got {peft.dropout}")
+        if not peft.target_modules or ("all-linear" in peft.target_modules and len(peft.target_modules) > 1):
+            errors.append("peft.target_modules must be a list of module names, or [all-linear] alone")
         return errors
 
     def to_dict(self) -> dict[str, Any]:

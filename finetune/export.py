@@ -32,8 +32,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from finetune.checkpoint import (
+    ADAPTER_NAMES,
+    ADAPTER_STATE,
     MODEL_FILES,
     TENSOR_NAMES,
     MetadataUnpickler,
@@ -51,6 +54,7 @@ _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_o
 _READ_FRACTION = 10
 # Offsets of the tensors inside a shard's buffer: any dtype can view memory aligned like this.
 _ALIGN = 64
+_NOT_ADAPTER_FILES = ("config.json", "generation_config.json", ADAPTER_NAMES)
 
 
 def export_checkpoint(
@@ -73,8 +77,43 @@ def export_checkpoint(
     if problem is not None:
         raise FinetuneError(f"checkpoint {checkpoint} is damaged ({problem}); export an earlier checkpoint")
     with export_lock(out_dir), stopped_by_signals(checkpoint, out_dir):
-        _write_export(checkpoint, out_dir, dtype, max_shard_size)
+        if (checkpoint / ADAPTER_STATE).is_dir():
+            _write_adapter_export(checkpoint, out_dir, dtype)
+        else:
+            _write_export(checkpoint, out_dir, dtype, max_shard_size)
     return out_dir
+
+
+def _write_adapter_export(checkpoint: Path, out_dir: Path, dtype: torch.dtype | None) -> None:
+    """The adapter of an adapter run as the folder PEFT writes: `adapter_model.safetensors` under PEFT's
+    names, `adapter_config.json` naming the base model, the tokenizer. Only the adapter's tensors are
+    read (they are a small fraction of the model), never the base's."""
+    names: dict[str, str] = json.loads((checkpoint / MODEL_FILES / ADAPTER_NAMES).read_text())
+    weights = _ShardedWeights(checkpoint / ADAPTER_STATE)
+    missing = [name for name in names if name not in weights.shapes]
+    if missing:
+        raise FinetuneError(
+            f"checkpoint {checkpoint} lacks adapter tensors ({', '.join(missing[:3])}); export a checkpoint written "
+            "by `finetune train`, unmodified"
+        )
+    tensors = {
+        name: torch.empty(
+            weights.shapes[name], dtype=_target_dtype(weights.dtypes[name], dtype or weights.dtypes[name])
+        )
+        for name in names
+    }
+    _read_into(weights, tensors, checkpoint)
+    partial = _make_partial(out_dir)
+    try:
+        for source in (checkpoint / MODEL_FILES).iterdir():
+            if source.name not in _NOT_ADAPTER_FILES:  # the base model's own files would make OUT look like a model
+                shutil.copy2(source, partial / source.name)
+        adapter = {names[name]: tensor for name, tensor in tensors.items()}
+        _save_shard(adapter, partial / "adapter_model.safetensors", out_dir)
+        _replace(partial, out_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
 
 
 def _write_export(checkpoint: Path, out_dir: Path, dtype: torch.dtype | None, max_shard_size: str) -> None:
@@ -165,7 +204,12 @@ class _ShardedWeights(CheckpointWeights):
         self.reader = _SafeMetadataReader(folder)
         metadata = self.reader.read_metadata().state_dict_metadata
         # accelerate saves {"model": model.state_dict()}, which DCP flattens to "model.<name>".
-        self.keys = {_clean(key.removeprefix("model.")): key for key in metadata}
+        # The model's tensors only: an adapter checkpoint keeps its optimizer state in the same folder.
+        self.keys = {
+            _clean(key.removeprefix("model.")): key
+            for key, item in metadata.items()
+            if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
+        }
         super().__init__(
             {name: metadata[key].size for name, key in self.keys.items()},
             {name: metadata[key].properties.dtype for name, key in self.keys.items()},

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 
 from finetune.checkpoint import (
     TrainerState,
+    check_resume_kind,
     checkpoints_root,
     load_checkpoint,
     resolve_resume,
@@ -96,6 +97,8 @@ class Run:
     output_dir: Path
     write_model_files: Callable[[Path], None]
     tensor_names: list[list[str]]
+    save_state: Callable[[Path], None]
+    """Writes the training state into a checkpoint folder (collective): accelerate's, or the adapters' only."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,12 @@ def preflight(recipe: RecipeConfig) -> Path | None:
     )  # fmt: skip
     check_sources(recipe.data)
     check_max_length(recipe.model, recipe.data.max_length)
+    if recipe.peft is not None:
+        from finetune.adapters import check_adapter_launch  # imports peft (2 s): adapter runs only
+
+        check_adapter_launch()
+    if resume_from is not None:
+        check_resume_kind(resume_from, adapters=recipe.peft is not None)
     return resume_from
 
 
@@ -135,6 +144,12 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
     # start on the meta device and receive them from rank 0 while the model is sharded.
     started_on_meta = rank_zero_loading() and not accelerator.is_main_process
     model = load_model(recipe.model, recipe.train.activation_checkpointing, read_weights=not started_on_meta)
+    adapters = None  # parameter name -> the name PEFT saves it under, for an adapter run
+    if recipe.peft is not None:
+        from finetune import adapters as peft_adapters  # imports peft (2 s): adapter runs only
+
+        model = peft_adapters.add_adapters(model, recipe.peft)
+        adapters = peft_adapters.adapter_names(model)
     names = tensor_names(model)  # before FSDP renames or flattens anything; saved with every checkpoint
     data = build_data(
         recipe.data, tokenizer, accelerator, seed=recipe.train.seed, micro_batch_size=recipe.train.micro_batch_size
@@ -161,14 +176,19 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
             f"train.num_epochs={recipe.train.num_epochs}; raise train.num_epochs to continue"
         )
     scheduler = build_scheduler(optimizer.optimizer, recipe.optim, max_steps)
-    write_model_files = functools.partial(save_model_files, accelerator.unwrap_model(model), tokenizer)
+    write_model_files = functools.partial(save_model_files, accelerator.unwrap_model(model), tokenizer, adapters)
+    if adapters is not None:
+        save_state = functools.partial(peft_adapters.save_adapter_state, accelerator, model, optimizer)
+        load_state = functools.partial(peft_adapters.load_adapter_state, accelerator, model, optimizer)
+    else:
+        save_state, load_state = (lambda folder: accelerator.save_state(str(folder))), accelerator.load_state
     run = Run(
         recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, max_steps, output_dir,
-        write_model_files, names,
+        write_model_files, names, save_state,
     )  # fmt: skip
     start = TrainerState(0, 0, 0, accelerator.num_processes, recipe.model.name_or_path)
     if resume_from is not None:
-        start = load_checkpoint(accelerator, resume_from, recipe)
+        start = load_checkpoint(resume_from, recipe, load_state)
         scheduler.load_state_dict(start.scheduler)
     # Everything is validated, built and restored: only now is the output dir written to.
     accelerator.wait_for_everyone()
@@ -261,7 +281,7 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
                 began = time.perf_counter()
                 save_checkpoint(
                     accelerator, run.output_dir, state, recipe, recipe.checkpoint.keep_last, run.write_model_files,
-                    run.tensor_names,
+                    run.tensor_names, run.save_state,
                 )  # fmt: skip
                 # How long training stood still for this save (saves are synchronous on every rank);
                 # kept out of the next logged step time.
@@ -411,6 +431,10 @@ def _log_setup(
         f"{processes} processes = {global_batch} sequences per step, {max_steps} steps",
         data.train_stats.describe("train data"),
     ]
+    if recipe.peft is not None:
+        from finetune.adapters import describe_adapters
+
+        lines.insert(2, describe_adapters(model))
     if data.eval_stats is not None:
         lines.append(data.eval_stats.describe("eval data"))
     if accelerator.distributed_type == DistributedType.FSDP:

@@ -177,9 +177,16 @@ def check_tied_weights(model: PreTrainedModel) -> None:
         )
 
 
-def save_model_files(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
-    """Everything of a Hugging Face model folder but the weights: config, generation config, tokenizer."""
+def save_model_files(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, adapters: dict[str, str] | None, folder: Path
+) -> None:
+    """Everything of a Hugging Face model folder but the weights: config, generation config, tokenizer;
+    for an adapter run (`adapters`: its `adapter_names`) also the adapter config."""
     model.config.save_pretrained(folder)
     if model.can_generate() and model.generation_config is not None:
         model.generation_config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    if adapters is not None:
+        from finetune.adapters import write_adapter_files
+
+        write_adapter_files(model, adapters, folder)

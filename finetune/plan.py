@@ -7,6 +7,9 @@ N processes sharding them, p the bytes of a stored parameter and c the bytes of 
     parameters        P*p / N                  (DDP: P*p)
     gradients         P*p / N                  (gradients live in the parameters' dtype)
     optimizer state   2*P*p / N                (AdamW's two moments)
+
+With adapters (a recipe's `peft` section) gradients and optimizer state exist for the T trainable
+adapter parameters only, in fp32: 4*T / N and 8*T / N; the parameters are the frozen base plus them.
     gather buffers    full shard: 2 units*c    (the unit computing and the one prefetched)
                       shard-grad-op: P*c       (kept unsharded from forward to backward)
     activations       see `activation_bytes`
@@ -47,6 +50,9 @@ class ModelShape:
     intermediate: int
     kv_hidden: int
     vocab: int
+    trainable: int
+    """Parameters that get gradients and optimizer state: all of them, or the adapters' (fp32)."""
+    adapters: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,8 +79,20 @@ class Estimate:
         )
 
 
+def planned_model(recipe: RecipeConfig) -> PreTrainedModel:
+    """The recipe's model on the meta device, with its adapters when the recipe has a peft section."""
+    model = meta_model(load_model_config(recipe.model))
+    if recipe.peft is not None:
+        from finetune.adapters import add_adapters  # imports peft: only for adapter recipes
+
+        model = add_adapters(model, recipe.peft)
+    return model
+
+
 def model_shape(model: PreTrainedModel) -> ModelShape:
     """Count parameters of a (meta-device) model and read the sizes activations depend on."""
+    adapters = hasattr(model, "peft_config")
+    model = model.get_base_model() if adapters else model
     text = model.config.get_text_config()
     unit_classes = set(getattr(model, "_no_split_modules", None) or [])
     units = [m for m in model.modules() if type(m).__name__ in unit_classes]
@@ -93,6 +111,8 @@ def model_shape(model: PreTrainedModel) -> ModelShape:
         intermediate=intermediate,
         kv_hidden=kv_heads * head_dim,
         vocab=text.vocab_size,
+        trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        adapters=adapters,
     )
 
 
@@ -122,8 +142,10 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     compute_bytes = _MIXED.get(launch.mixed_precision, param_bytes)
     world = launch.num_processes
     shards = {"ddp": 1, "hybrid_shard": launch.processes_per_machine}.get(strategy, world)
-    state = shape.parameters * param_bytes
-    parameters, gradients, optimizer = state // shards, state // shards, 2 * state // shards
+    trainable_bytes = shape.trainable * (4 if shape.adapters else param_bytes)  # adapters train in fp32
+    frozen_bytes = (shape.parameters - shape.trainable) * param_bytes
+    parameters = (frozen_bytes + trainable_bytes) // shards
+    gradients, optimizer = trainable_bytes // shards, 2 * trainable_bytes // shards
     if strategy in ("full_shard", "hybrid_shard"):
         gather = 2 * shape.largest_unit * compute_bytes
     elif strategy == "shard_grad_op":
@@ -147,6 +169,10 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     )
 
 
+def _trainable(shape: ModelShape) -> str:
+    return f", {shape.trainable:,} of them trainable adapters (fp32)" if shape.adapters else ""
+
+
 def parse_memory(text: str) -> int:
     """'80GB' / '80GiB' / '24 GB' -> bytes (GB = 10^9, GiB = 2^30)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT])(i?)B\s*", text, re.IGNORECASE)
@@ -162,12 +188,12 @@ def parse_memory(text: str) -> int:
 
 def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     """The report: a table per strategy and a verdict for the configured one."""
-    shape = model_shape(meta_model(load_model_config(recipe.model)))
+    shape = model_shape(planned_model(recipe))
     estimates = {strategy: estimate(shape, recipe, launch, strategy) for strategy in STRATEGIES}
     largest = max(e.device_total(False) for e in estimates.values())
     unit_name, gib = ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
     lines = [
-        f"{shape.name}: {shape.parameters:,} parameters ({recipe.model.dtype}), largest wrap unit "
+        f"{shape.name}: {shape.parameters:,} parameters ({recipe.model.dtype}){_trainable(shape)}, largest wrap unit "
         f"{shape.largest_unit:,}; micro-batch {recipe.train.micro_batch_size} x {recipe.data.max_length} tokens; "
         f"{launch.num_processes} processes on {launch.num_machines} machine(s); mixed precision "
         f"{launch.mixed_precision}",
@@ -222,10 +248,10 @@ def check(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     meta device from its config, its wrap classes are found in it, and the memory plan is given.
     Problems raise FinetuneError; a plan that does not fit is reported, not refused (it is an estimate).
     """
-    model = meta_model(load_model_config(recipe.model))
+    model = planned_model(recipe)
     shape = model_shape(model)
     source = recipe.model.config_file or recipe.model.name_or_path
-    lines = [f"model: {shape.name} from {source}, {shape.parameters:,} parameters"]
+    lines = [f"model: {shape.name} from {source}, {shape.parameters:,} parameters{_trainable(shape)}"]
     if launch.strategy != "ddp" and launch.wrap_policy == "TRANSFORMER_BASED_WRAP":
         classes = wrap_classes(launch.wrap_classes, model)
         units = sum(type(m).__name__ in classes for m in model.modules())

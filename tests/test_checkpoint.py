@@ -206,4 +206,4 @@ def test_resume_errors_name_the_fix(tmp_path, uninterrupted):
     assert resolve_resume("auto", tmp_path / "empty") is None  # nothing to resume: start fresh
     other_model = load_recipe(DEMO_RECIPE, ["model.name_or_path=another/model"])
     with pytest.raises(FinetuneError, match="was trained from .* but the recipe names 'another/model'"):
-        load_checkpoint(None, uninterrupted.output_dir / "checkpoints" / "step_6", other_model)
+        load_checkpoint(uninterrupted.output_dir / "checkpoints" / "step_6", other_model, load_state=None)

@@ -1,0 +1,137 @@
+"""Parameter-efficient fine-tuning: LoRA and DoRA adapters from PEFT on a frozen base model.
+
+The adapters are added before the model is sharded, so under FSDP2 each adapter lives in its
+decoder layer's unit and is sharded with it (accelerate's per-layer wrap; PEFT's own FSDP wrap
+policy is not used). Checkpoints hold what trains and nothing else: the adapter weights and their
+optimizer state (torch.distributed.checkpoint, resharded on load like any sharded checkpoint), and
+accelerate's RNG and sampler states; never the frozen base, which for a 70B model is 140 GB per save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from accelerate import Accelerator
+from accelerate.checkpointing import load_accelerator_state, save_accelerator_state
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from transformers import PreTrainedModel
+
+from finetune.checkpoint import ADAPTER_NAMES, ADAPTER_STATE
+from finetune.config import PeftConfig
+from finetune.distributed import fsdp_requested, rank_zero_loading
+from finetune.errors import FinetuneError, first_line
+
+ADAPTER_CONFIG = "adapter_config.json"
+_TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
+# Setting only the trainable tensors leaves the frozen ones "missing"; DCP's load already refused any
+# trainable tensor the checkpoint lacks, so nothing is skipped silently.
+_SET_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def add_adapters(model: PreTrainedModel, cfg: PeftConfig) -> PeftModel:
+    """Freeze `model` and add the recipe's adapters; adapter weights are kept in fp32 whatever the base's dtype."""
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    if tied and cfg.modules_to_save:
+        raise FinetuneError(
+            f"peft.modules_to_save={cfg.modules_to_save} on {type(model).__name__}, whose input and output embeddings "
+            "are tied: a trained copy would untie them. Leave peft.modules_to_save empty"
+        )
+    targets = cfg.target_modules[0] if cfg.target_modules == ["all-linear"] else cfg.target_modules
+    lora = LoraConfig(
+        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, use_dora=cfg.method == "dora",
+        use_rslora=cfg.use_rslora, modules_to_save=cfg.modules_to_save or None, task_type="CAUSAL_LM",
+    )  # fmt: skip
+    try:
+        adapted = get_peft_model(model, lora, autocast_adapter_dtype=True)
+    except ValueError as exc:
+        modules = model.named_modules()
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in modules if isinstance(m, torch.nn.Linear)})
+        raise FinetuneError(
+            f"peft.target_modules={cfg.target_modules} cannot be applied ({first_line(exc)}); the model's linear "
+            f"modules are: {', '.join(linear)} (or use [all-linear])"
+        ) from None
+    if getattr(model, "is_activation_checkpointing", False):
+        # With the embeddings frozen, checkpointed layers would get inputs that do not require grad.
+        adapted.enable_input_require_grads()
+    return adapted
+
+
+def check_adapter_launch() -> None:
+    """Adapters train under FSDP2, DDP and one process. FSDP1 would flatten frozen and trainable
+    parameters of a layer into one buffer (use_orig_params) and keep gradient memory for all of it;
+    rank-0 loading would have to broadcast adapters created on the meta device: neither is proven here."""
+    if fsdp_requested():
+        if os.environ.get("FSDP_VERSION", "1") == "1":
+            raise FinetuneError(
+                "adapters (peft) train under FSDP2, DDP or one process, not FSDP1; launch with "
+                "accelerate_configs/fsdp2_full_shard.yaml (or another FSDP2 config)"
+            )
+        if rank_zero_loading():
+            raise FinetuneError(
+                "adapters (peft) do not support rank-0 loading yet; set fsdp_cpu_ram_efficient_loading: false in the "
+                "accelerate config"
+            )
+
+
+def describe_adapters(model: torch.nn.Module) -> str:
+    """The log line of an adapter run: what trains, what is frozen, in which dtypes."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    return (
+        f"adapters: {sum(p.numel() for p in trainable):,} trainable parameters in {_dtypes(trainable)} (their "
+        f"gradients and AdamW state too), {sum(p.numel() for p in frozen):,} frozen in {_dtypes(frozen)}"
+    )
+
+
+def _dtypes(params: list[torch.Tensor]) -> str:
+    return "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
+
+
+def adapter_names(model: PeftModel) -> dict[str, str]:
+    """Trainable parameter name -> the key PEFT's `save_pretrained` writes it under.
+
+    Taken from PEFT itself (its adapter state dict holds the parameters' own storage), so the
+    export writes exactly the names `PeftModel.from_pretrained` expects."""
+    saved_as = {tensor.data_ptr(): key for key, tensor in get_peft_model_state_dict(model).items()}
+    return {name: saved_as[p.data_ptr()] for name, p in model.named_parameters() if p.requires_grad}
+
+
+def write_adapter_files(model: PeftModel, names: dict[str, str], folder: Path) -> None:
+    """adapter_config.json (with base_model_name_or_path) and the name map, for the export."""
+    config = dataclasses.replace(model.peft_config["default"], inference_mode=True)  # as PEFT saves it
+    config.save_pretrained(folder)
+    (folder / ADAPTER_NAMES).write_text(json.dumps(names, indent=1))
+
+
+def save_adapter_state(accelerator: Accelerator, model: torch.nn.Module, optimizer, folder: Path) -> None:
+    """What a checkpoint of an adapter run holds (collective): trainable weights and their optimizer
+    state through DCP, then accelerate's RNG and sampler states; the frozen base is not saved."""
+    model_state, optimizer_state = get_state_dict(model, optimizer.optimizer, options=_TRAINABLE_ONLY)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / ADAPTER_STATE)
+    # Weights and optimizer are saved above; accelerate's own function saves the rest as save_state would.
+    save_accelerator_state(
+        str(folder), [], [], [], accelerator._dataloaders, accelerator.process_index, accelerator.step
+    )
+
+
+def load_adapter_state(accelerator: Accelerator, model: torch.nn.Module, optimizer, folder: Path) -> None:
+    """Restore what `save_adapter_state` wrote, resharded to this run's process count."""
+    if not (folder / ADAPTER_STATE).is_dir():
+        raise FinetuneError(
+            f"checkpoint {folder} is of a full fine-tuning run, not of adapters; remove the recipe's peft section to "
+            "resume it, or start this run in a new output.dir"
+        )
+    model_state, optimizer_state = get_state_dict(model, optimizer.optimizer, options=_TRAINABLE_ONLY)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=folder / ADAPTER_STATE)
+    set_state_dict(
+        model, optimizer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+        options=_SET_TRAINABLE,
+    )  # fmt: skip
+    load_accelerator_state(str(folder), [], [], [], accelerator._dataloaders, accelerator.process_index)

@@ -1,0 +1,144 @@
+"""LoRA/DoRA adapters: trained under FSDP2 and DDP on 2 processes, checkpointed without the frozen base,
+resumed exactly, exported as a PEFT folder that `PeftModel.from_pretrained` loads with the trained logits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Run, _run, launch, recipe_overrides
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+from finetune.adapters import add_adapters, check_adapter_launch
+from finetune.checkpoint import ADAPTER_STATE, MARKER, check_resume_kind
+from finetune.config import PeftConfig
+from finetune.errors import FinetuneError
+
+pytestmark = pytest.mark.multiprocess
+
+LORA = {
+    "peft.r": 8,
+    "peft.target_modules": "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
+    "optim.lr": "1e-3",
+    "train.max_steps": 8,
+    "train.eval_every_steps": 0,
+    "data.eval_path": "null",
+    "checkpoint.save_every_steps": 2,
+    "checkpoint.keep_last": 3,
+}
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, demo_assets) -> Run:
+    """LoRA under FSDP2 full shard on 2 processes: checkpoints at steps 4, 6 and 8, the adapter exported."""
+    return _run(tmp_path_factory, demo_assets, "lora", "fsdp2_full_shard.yaml", **LORA)
+
+
+def test_checkpoints_hold_the_adapters_and_never_the_base(lora_run, one_process_run):
+    checkpoint = lora_run.output_dir / "checkpoints" / "step_8"
+    assert (checkpoint / MARKER).exists() and (checkpoint / ADAPTER_STATE / ".metadata").exists()
+    assert not list(checkpoint.glob("pytorch_model_fsdp*")) and not list(checkpoint.glob("optimizer*"))
+    saved = open_weights_of_adapters(checkpoint)
+    assert saved and all(".lora_A." in name or ".lora_B." in name for name in saved), sorted(saved)[:5]
+    # 7 adapted linear layers x 4 decoder layers x (A, B)
+    assert len(saved) == 7 * 4 * 2
+    assert "trainable parameters in float32 (their gradients and AdamW state too)" in lora_run.log
+    full = one_process_run.output_dir / "checkpoints" / "step_8"
+    assert folder_bytes(checkpoint) < folder_bytes(full) / 2
+
+
+def test_the_exported_adapter_loads_with_peft_and_gives_the_trained_logits(lora_run, demo_assets):
+    final = lora_run.output_dir / "final"
+    assert sorted(p.name for p in final.glob("adapter_*")) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert not (final / "config.json").exists()  # a PEFT folder, not a model folder
+    config = json.loads((final / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(demo_assets / "base") and config["r"] == 8
+    keys = load_file(final / "adapter_model.safetensors")
+    assert all(k.startswith("base_model.model.model.layers.") and ".default." not in k for k in keys)
+    # A fresh process, as a user would: base from its folder, adapter from ours.
+    script = (
+        "import sys, torch; from peft import PeftModel; from safetensors.torch import load_file; "
+        "from transformers import AutoModelForCausalLM; "
+        "ref = load_file(sys.argv[3]); base = AutoModelForCausalLM.from_pretrained(sys.argv[1]); "
+        "model = PeftModel.from_pretrained(base, sys.argv[2]).eval(); "
+        "torch.no_grad().__enter__(); out = model(input_ids=ref['input_ids']).logits; "
+        "plain = AutoModelForCausalLM.from_pretrained(sys.argv[1])(input_ids=ref['input_ids']).logits; "
+        "print((out - ref['logits']).abs().max().item(), (plain - ref['logits']).abs().max().item())"
+    )
+    args = [str(demo_assets / "base"), str(final), str(lora_run.output_dir / "final_logits.safetensors")]
+    result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    adapted, base_only = map(float, result.stdout.split())
+    assert adapted <= 1e-5 and base_only > 1e-3  # the adapter is what changed the model
+
+
+def test_resume_is_exact_on_two_processes_and_on_one(lora_run, demo_assets, tmp_path):
+    expected = {m["step"]: m["loss"] for m in lora_run.metrics() if "loss" in m}
+    trained = load_file(lora_run.output_dir / "final" / "adapter_model.safetensors")
+    for processes, tolerance in ((2, 0.0), (1, 1e-5)):
+        output_dir = tmp_path / f"resumed_{processes}"
+        shutil.copytree(lora_run.output_dir / "checkpoints" / "step_4", output_dir / "checkpoints" / "step_4")
+        overrides = {**LORA, "checkpoint.resume": "auto", "train.micro_batch_size": 16 // processes}
+        result = launch(
+            "fsdp2_full_shard.yaml", recipe_overrides(demo_assets, output_dir, **overrides), num_processes=processes
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        resumed = Run(result, output_dir)
+        losses = {m["step"]: m["loss"] for m in resumed.metrics() if "loss" in m}
+        assert sorted(losses) == [5, 6, 7, 8]
+        for step, loss in losses.items():
+            assert abs(loss - expected[step]) <= tolerance, (processes, step, loss, expected[step])
+        adapter = load_file(output_dir / "final" / "adapter_model.safetensors")
+        assert max((adapter[k] - trained[k]).abs().max().item() for k in trained) <= tolerance
+
+
+def test_dora_under_ddp_trains_and_exports(tmp_path_factory, demo_assets):
+    run = _run(
+        tmp_path_factory, demo_assets, "dora_ddp", "ddp.yaml",
+        **{**LORA, "peft.method": "dora", "peft.target_modules": "[all-linear]", "train.max_steps": 4},
+    )  # fmt: skip
+    losses = run.losses()
+    assert losses[-1] < losses[0]
+    keys = load_file(run.output_dir / "final" / "adapter_model.safetensors")
+    assert any("lora_magnitude_vector" in k for k in keys) and any("lora_A" in k for k in keys)
+    assert json.loads((run.output_dir / "final" / "adapter_config.json").read_text())["use_dora"] is True
+
+
+def test_bad_adapter_input_names_the_fix(demo_assets, tmp_path, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(demo_assets / "base")
+    with pytest.raises(FinetuneError, match=r"the model's linear modules are: down_proj, gate_proj, .*q_proj"):
+        add_adapters(model, PeftConfig(target_modules=["qkv_proj"]))
+    tied = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, tie_word_embeddings=True))
+    with pytest.raises(FinetuneError, match="whose input and output embeddings are tied"):
+        add_adapters(tied, PeftConfig(modules_to_save=["lm_head"]))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(FinetuneError, match="not FSDP1; launch with accelerate_configs/fsdp2_full_shard.yaml"):
+        check_adapter_launch()
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    with pytest.raises(FinetuneError, match="fsdp_cpu_ram_efficient_loading: false"):
+        check_adapter_launch()
+
+
+def test_checkpoints_resume_only_their_own_kind(lora_run, one_process_run):
+    with pytest.raises(FinetuneError, match="is of an adapter run but the recipe has no peft section"):
+        check_resume_kind(lora_run.output_dir / "checkpoints" / "step_8", adapters=False)
+    with pytest.raises(FinetuneError, match="is of a full fine-tuning run but the recipe has one"):
+        check_resume_kind(one_process_run.output_dir / "checkpoints" / "step_8", adapters=True)
+
+
+def open_weights_of_adapters(checkpoint: Path) -> dict[str, torch.Size]:
+    from finetune.export import _ShardedWeights
+
+    return _ShardedWeights(checkpoint / ADAPTER_STATE).shapes
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
