@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype = getattr(torch, EXPORT_DTYPES[args.dtype]) if args.dtype else None
             out = export_checkpoint(
                 Path(args.checkpoint), Path(args.out), dtype=dtype, max_shard_size=args.max_shard_size,
-                overwrite=args.overwrite,
+                overwrite=args.overwrite, merge=args.merge,
             )  # fmt: skip
             print(f"exported {args.checkpoint} to {out}")
         else:
@@ -96,6 +96,10 @@ def _train(recipe_path: str, overrides: list[str]) -> None:
             dtype = DTYPES[recipe.output.export_dtype] if recipe.output.export_dtype else None
             out = export_checkpoint(result.final_checkpoint, result.output_dir / "final", dtype=dtype, overwrite=True)
             print(f"exported {result.final_checkpoint} to {out}")
+            if recipe.output.export_merged:
+                merged = result.output_dir / "final_merged"
+                export_checkpoint(result.final_checkpoint, merged, dtype=dtype, overwrite=True, merge=True)
+                print(f"exported {result.final_checkpoint} with the adapter merged to {merged}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -114,6 +118,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     export_parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB")
     export_parser.add_argument("--overwrite", action="store_true", help="replace a model already in OUT")
+    export_parser.add_argument(
+        "--merge", action="store_true", help="adapter checkpoints: write the base model with the adapter folded in"
+    )
     plan_parser = commands.add_parser(
         "plan", help="estimate memory per device for a recipe and an accelerate config (no GPU, no weights)"
     )

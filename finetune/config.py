@@ -153,6 +153,10 @@ class OutputConfig:
     export_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Dtype of exported weights; None keeps the training dtype of the parameters (`model.dtype`)."""
 
+    export_merged: bool = False
+    """Adapter runs: also export the base model with the adapter folded in, to `<dir>/final_merged`
+    (`finetune export --merge`). `<dir>/final` always holds the adapter itself."""
+
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
@@ -248,6 +252,8 @@ class RecipeConfig:
             errors.append("output.dir is empty; name a folder for this run, e.g. output.dir=outputs/my_run")
         if self.peft is not None:
             errors.extend(self.peft_errors(self.peft))
+        elif self.output.export_merged:
+            errors.append("output.export_merged applies to adapter runs (a peft section); remove it")
         unknown = [name for name in self.output.trackers if name not in TRACKERS]
         if unknown:
             errors.append(f"output.trackers names {', '.join(unknown)}; use any of {', '.join(TRACKERS)}")

@@ -64,9 +64,12 @@ def export_checkpoint(
     dtype: torch.dtype | None = None,
     max_shard_size: str = "5GB",
     overwrite: bool = False,
+    merge: bool = False,
 ) -> Path:
     """Write the model of `checkpoint` (a `step_<N>` folder, or a run's output dir for its latest
-    checkpoint) to `out_dir`; `dtype` None keeps the dtype the parameters were trained in.
+    checkpoint) to `out_dir`; `dtype` None keeps the dtype the parameters were trained in. An
+    adapter checkpoint is written as a PEFT adapter folder, or with `merge` as the base model with
+    the adapter folded in (see finetune.merge).
 
     The folder is written as `<out_dir>.partial` and renamed when complete, so `out_dir` never
     holds a half-written model, and an earlier model there is replaced only by a complete one.
@@ -76,18 +79,23 @@ def export_checkpoint(
     problem = checkpoint_problem(checkpoint, resuming=False)
     if problem is not None:
         raise FinetuneError(f"checkpoint {checkpoint} is damaged ({problem}); export an earlier checkpoint")
+    adapter = (checkpoint / ADAPTER_STATE).is_dir()
+    if merge and not adapter:
+        raise FinetuneError(
+            f"--merge folds an adapter into its base model, but checkpoint {checkpoint} is of a full fine-tuning run, "
+            "whose export is the whole model already; drop --merge"
+        )
     with export_lock(out_dir), stopped_by_signals(checkpoint, out_dir):
-        if (checkpoint / ADAPTER_STATE).is_dir():
+        if adapter and not merge:
             _write_adapter_export(checkpoint, out_dir, dtype)
         else:
-            _write_export(checkpoint, out_dir, dtype, max_shard_size)
+            _write_export(checkpoint, out_dir, dtype, max_shard_size, merge=merge)
     return out_dir
 
 
-def _write_adapter_export(checkpoint: Path, out_dir: Path, dtype: torch.dtype | None) -> None:
-    """The adapter of an adapter run as the folder PEFT writes: `adapter_model.safetensors` under PEFT's
-    names, `adapter_config.json` naming the base model, the tokenizer. Only the adapter's tensors are
-    read (they are a small fraction of the model), never the base's."""
+def adapter_tensors(checkpoint: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The adapter of an adapter checkpoint under PEFT's names, as trained (fp32) or in `dtype`. Only
+    the adapter's tensors are read (a small fraction of the model), never the base's."""
     names: dict[str, str] = json.loads((checkpoint / MODEL_FILES / ADAPTER_NAMES).read_text())
     weights = _ShardedWeights(checkpoint / ADAPTER_STATE)
     missing = [name for name in names if name not in weights.shapes]
@@ -96,19 +104,24 @@ def _write_adapter_export(checkpoint: Path, out_dir: Path, dtype: torch.dtype | 
             f"checkpoint {checkpoint} lacks adapter tensors ({', '.join(missing[:3])}); export a checkpoint written "
             "by `finetune train`, unmodified"
         )
+    stored = weights.dtypes
     tensors = {
-        name: torch.empty(
-            weights.shapes[name], dtype=_target_dtype(weights.dtypes[name], dtype or weights.dtypes[name])
-        )
+        name: torch.empty(weights.shapes[name], dtype=_target_dtype(stored[name], dtype or stored[name]))
         for name in names
     }
     _read_into(weights, tensors, checkpoint)
+    return {names[name]: tensor for name, tensor in tensors.items()}
+
+
+def _write_adapter_export(checkpoint: Path, out_dir: Path, dtype: torch.dtype | None) -> None:
+    """The adapter as the folder PEFT writes: `adapter_model.safetensors` under PEFT's names,
+    `adapter_config.json` naming the base model, the tokenizer."""
+    adapter = adapter_tensors(checkpoint, dtype)
     partial = _make_partial(out_dir)
     try:
         for source in (checkpoint / MODEL_FILES).iterdir():
             if source.name not in _NOT_ADAPTER_FILES:  # the base model's own files would make OUT look like a model
                 shutil.copy2(source, partial / source.name)
-        adapter = {names[name]: tensor for name, tensor in tensors.items()}
         _save_shard(adapter, partial / "adapter_model.safetensors", out_dir)
         _replace(partial, out_dir)
     except BaseException:
@@ -116,9 +129,17 @@ def _write_adapter_export(checkpoint: Path, out_dir: Path, dtype: torch.dtype | 
         raise
 
 
-def _write_export(checkpoint: Path, out_dir: Path, dtype: torch.dtype | None, max_shard_size: str) -> None:
-    weights = open_weights(checkpoint)
-    names = _export_names(weights, checkpoint)
+def _write_export(
+    checkpoint: Path, out_dir: Path, dtype: torch.dtype | None, max_shard_size: str, merge: bool = False
+) -> None:
+    if merge:
+        from finetune.merge import merged_weights
+
+        weights, groups = merged_weights(checkpoint)
+        names = _export_names(weights, checkpoint, groups)
+    else:
+        weights = open_weights(checkpoint)
+        names = _export_names(weights, checkpoint)
     dtype = dtype or weights.training_dtype()
     layout = {
         name: torch.empty(weights.shapes[source], dtype=_target_dtype(weights.dtypes[source], dtype), device="meta")
@@ -127,7 +148,8 @@ def _write_export(checkpoint: Path, out_dir: Path, dtype: torch.dtype | None, ma
     split = _plan_shards(layout, max_shard_size)
     partial = _make_partial(out_dir)
     try:
-        shutil.copytree(checkpoint / MODEL_FILES, partial, dirs_exist_ok=True)  # tokenizer, configs
+        # tokenizer, configs (not an adapter's: a merged model is a plain transformers model)
+        shutil.copytree(checkpoint / MODEL_FILES, partial, dirs_exist_ok=True, ignore=_adapter_files)
         _state_dtype(partial / "config.json", dtype)
         largest_shard = max(_nbytes(layout, tensors) for tensors in split.filename_to_tensors.values())
         read_budget = max(largest_shard // _READ_FRACTION, 1)
@@ -302,7 +324,13 @@ class _SafeMetadataReader(FileSystemReader):
         return self._metadata
 
 
-def _export_names(weights: CheckpointWeights, checkpoint: Path) -> dict[str, str]:
+def _adapter_files(folder: str, names: list[str]) -> list[str]:
+    return [name for name in names if name in (ADAPTER_NAMES, "adapter_config.json")]
+
+
+def _export_names(
+    weights: CheckpointWeights, checkpoint: Path, groups: list[list[str]] | None = None
+) -> dict[str, str]:
     """Exported name -> checkpoint name, for every tensor of the model.
 
     The model's names are those training saved with the checkpoint (the names from_pretrained
@@ -311,7 +339,9 @@ def _export_names(weights: CheckpointWeights, checkpoint: Path) -> dict[str, str
     embedding, as transformers saves it), from whichever of its names the checkpoint holds.
     """
     saved = checkpoint / TENSOR_NAMES
-    if saved.is_file():
+    if groups is not None:  # a merge: the base model's names
+        described = f"{MODEL_FILES}/config.json"
+    elif saved.is_file():
         groups, described = json.loads(saved.read_text()), TENSOR_NAMES
     else:
         groups, described = _model_tensor_names(checkpoint / MODEL_FILES), f"{MODEL_FILES}/config.json"

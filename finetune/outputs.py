@@ -25,7 +25,7 @@ LOCK = ".finetune.lock"
 # Everything a run writes into output.dir. A fresh run removes these and nothing else, so a run
 # that fails after starting never leaves an earlier run's results beside its own recipe.
 RUN_FILES = ("recipe.yaml", "metrics.jsonl", "final_logits.safetensors")
-RUN_FOLDERS = ("checkpoints", "ranks", "final", "final.partial", "final.previous", "finetune")
+RUN_FOLDERS = ("checkpoints", "ranks", "final", "final.partial", "final.previous", "final_merged", "finetune")
 """`finetune` is where accelerate's trackers (tensorboard) write, under the project name."""
 
 

@@ -3,6 +3,7 @@ resumed exactly, exported as a PEFT folder that `PeftModel.from_pretrained` load
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -11,14 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Run, _run, launch, recipe_overrides
+from conftest import CONFIGS, Run, _run, launch, recipe_overrides
+from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from finetune.adapters import add_adapters, check_adapter_launch
 from finetune.checkpoint import ADAPTER_STATE, MARKER, check_resume_kind
-from finetune.config import PeftConfig
+from finetune.config import PeftConfig, load_recipe
 from finetune.errors import FinetuneError
+from finetune.export import export_checkpoint
+from finetune.launch import read_launch
+from finetune.plan import estimate, model_shape, planned_model
 
 pytestmark = pytest.mark.multiprocess
 
@@ -98,16 +103,65 @@ def test_resume_is_exact_on_two_processes_and_on_one(lora_run, demo_assets, tmp_
         assert max((adapter[k] - trained[k]).abs().max().item() for k in trained) <= tolerance
 
 
-def test_dora_under_ddp_trains_and_exports(tmp_path_factory, demo_assets):
-    run = _run(
+@pytest.fixture(scope="module")
+def dora_run(tmp_path_factory, demo_assets) -> Run:
+    """DoRA on every linear layer plus a fully trained lm_head, under DDP, exported merged at the end too."""
+    return _run(
         tmp_path_factory, demo_assets, "dora_ddp", "ddp.yaml",
-        **{**LORA, "peft.method": "dora", "peft.target_modules": "[all-linear]", "train.max_steps": 4},
+        **{
+            **LORA, "peft.method": "dora", "peft.target_modules": "[all-linear]", "peft.modules_to_save": "[lm_head]",
+            "train.max_steps": 4, "output.export_merged": "true",
+        },
     )  # fmt: skip
-    losses = run.losses()
+
+
+def test_dora_under_ddp_trains_and_exports(dora_run):
+    losses = dora_run.losses()
     assert losses[-1] < losses[0]
-    keys = load_file(run.output_dir / "final" / "adapter_model.safetensors")
-    assert any("lora_magnitude_vector" in k for k in keys) and any("lora_A" in k for k in keys)
-    assert json.loads((run.output_dir / "final" / "adapter_config.json").read_text())["use_dora"] is True
+    keys = load_file(dora_run.output_dir / "final" / "adapter_model.safetensors")
+    assert any("lora_magnitude_vector" in k for k in keys) and "base_model.model.lm_head.weight" in keys
+    assert json.loads((dora_run.output_dir / "final" / "adapter_config.json").read_text())["use_dora"] is True
+
+
+@pytest.mark.parametrize("run_name", ["lora_run", "dora_run"])
+def test_merged_export_is_bit_identical_to_peft_merge_and_unload(run_name, request, demo_assets, tmp_path):
+    """Streamed from the base's files one shard at a time, with PEFT's arithmetic: the same bits in fp32."""
+    run: Run = request.getfixturevalue(run_name)
+    merged = run.output_dir / "final_merged"
+    if not merged.exists():  # the LoRA run did not ask for it at the end of training: export it now
+        merged = tmp_path / "merged"
+        result = subprocess.run(
+            [sys.executable, "-m", "finetune", "export", str(run.output_dir), str(merged), "--merge"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert not list(merged.glob("adapter_*"))
+    base = AutoModelForCausalLM.from_pretrained(demo_assets / "base")
+    expected = PeftModel.from_pretrained(base, run.output_dir / "final").merge_and_unload().state_dict()
+    ours = AutoModelForCausalLM.from_pretrained(merged).state_dict()
+    assert sorted(ours) == sorted(expected)
+    assert all(torch.equal(ours[name], expected[name]) for name in expected)
+    untouched = AutoModelForCausalLM.from_pretrained(demo_assets / "base").state_dict()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(ours[name], untouched[name])
+
+
+def test_merge_of_a_full_checkpoint_is_refused(one_process_run, tmp_path):
+    with pytest.raises(FinetuneError, match="is of a full fine-tuning run, whose export is the whole model already"):
+        export_checkpoint(one_process_run.output_dir, tmp_path / "out", merge=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_plan_counts_adapter_state_as_measured(lora_run):
+    """`finetune plan`'s parameter, gradient and AdamW figures for an adapter recipe, against the run's own report."""
+    recipe = load_recipe(lora_run.output_dir / "recipe.yaml")
+    launch = dataclasses.replace(read_launch(CONFIGS / "fsdp2_full_shard.yaml", 2, 1), mixed_precision="no")
+    shape = model_shape(planned_model(recipe))
+    assert 0 < shape.trainable < shape.parameters / 10
+    plan = estimate(shape, recipe, launch, "full_shard")
+    (measured,) = [m for m in lora_run.metrics() if "memory/rank0/parameters" in m]
+    for key in ("parameters", "gradients", "optimizer_state"):
+        assert getattr(plan, key) == pytest.approx(measured[f"memory/rank0/{key}"], rel=0.05), key
 
 
 def test_bad_adapter_input_names_the_fix(demo_assets, tmp_path, monkeypatch):
