@@ -20,7 +20,8 @@ MAIN_PROCESS_PORT ?= 29500
 # The demo is offline by construction; this makes any accidental hub access fail fast.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b train-70b train-qwen-7b train-mistral-7b
+TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b train-70b train-qwen-7b train-mistral-7b \
+	train-8b-lora train-qwen-7b-lora
 .PHONY: help setup demo train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu test lint format clean
 
 help: ## list the targets
@@ -88,6 +89,13 @@ train-mistral-7b: RECIPE = recipes/mistral/mistral-7b.yaml
 train-mistral-7b: WRAP = MistralDecoderLayer
 train-mistral-7b: CONFIG = accelerate_configs/single_node.yaml
 train-mistral-7b: NUM_PROCESSES = 8
+train-8b-lora: ## Llama-3.1-8B-Instruct LoRA, UltraChat, 1 GPU, FSDP2 (more: NUM_PROCESSES=8)
+train-8b-lora: RECIPE = recipes/llama/llama-3.1-8b-lora.yaml
+train-8b-lora: NUM_PROCESSES = 1
+train-qwen-7b-lora: ## Qwen2.5-7B-Instruct LoRA, UltraChat, 1 GPU, FSDP2 (more: NUM_PROCESSES=8)
+train-qwen-7b-lora: RECIPE = recipes/qwen/qwen2.5-7b-lora.yaml
+train-qwen-7b-lora: WRAP = Qwen2DecoderLayer
+train-qwen-7b-lora: NUM_PROCESSES = 1
 
 LAUNCH_CHECK = --config $(CONFIG) --num-processes $(NUM_PROCESSES) --num-machines $(NUM_MACHINES) \
 	--machine-rank $(MACHINE_RANK) $(if $(MAIN_PROCESS_IP),--main-process-ip $(MAIN_PROCESS_IP)) $(if $(WRAP),--wrap $(WRAP))

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -22,7 +23,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from transformers import PreTrainedModel
 
-from finetune.checkpoint import ADAPTER_NAMES, ADAPTER_STATE
+from finetune.checkpoint import ADAPTER_RECORD, ADAPTER_STATE
 from finetune.config import PeftConfig
 from finetune.distributed import fsdp_requested, rank_zero_loading
 from finetune.errors import FinetuneError, first_line
@@ -62,10 +63,30 @@ def add_adapters(model: PreTrainedModel, cfg: PeftConfig) -> PeftModel:
     return adapted
 
 
-def check_adapter_launch() -> None:
+def quantization_config(dtype: torch.dtype):
+    """The 4-bit (nf4) loading of a QLoRA base: storage in `dtype`, so FSDP shards the packed weights
+    as ordinary `dtype` tensors and casts nothing; compute in `dtype`."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise FinetuneError(
+            "peft.quantization=nf4 needs bitsandbytes; install it (pip install 'bitsandbytes~=0.50.0') or set "
+            "peft.quantization=none"
+        ) from None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype,
+    )  # fmt: skip
+
+
+def check_adapter_launch(quantization: str = "none", model_dtype: str = "float32") -> None:
     """Adapters train under FSDP2, DDP and one process. FSDP1 would flatten frozen and trainable
     parameters of a layer into one buffer (use_orig_params) and keep gradient memory for all of it;
-    rank-0 loading would have to broadcast adapters created on the meta device: neither is proven here."""
+    rank-0 loading would have to broadcast adapters created on the meta device: neither is proven here.
+    QLoRA's packed 4-bit storage must be the dtype FSDP computes in, or its mixed precision would cast
+    the packed bytes as if they were numbers."""
     if fsdp_requested():
         if os.environ.get("FSDP_VERSION", "1") == "1":
             raise FinetuneError(
@@ -76,6 +97,12 @@ def check_adapter_launch() -> None:
             raise FinetuneError(
                 "adapters (peft) do not support rank-0 loading yet; set fsdp_cpu_ram_efficient_loading: false in the "
                 "accelerate config"
+            )
+        compute = {"bf16": "bfloat16", "fp16": "float16"}.get(os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
+        if quantization == "nf4" and compute is not None and compute != model_dtype:
+            raise FinetuneError(
+                f"QLoRA under FSDP with {compute} mixed precision needs model.dtype: {compute} (the 4-bit weights are "
+                f"packed in model.dtype storage, which FSDP would cast to {compute}); set model.dtype={compute}"
             )
 
 
@@ -93,20 +120,32 @@ def _dtypes(params: list[torch.Tensor]) -> str:
     return "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
 
 
-def adapter_names(model: PeftModel) -> dict[str, str]:
-    """Trainable parameter name -> the key PEFT's `save_pretrained` writes it under.
-
-    Taken from PEFT itself (its adapter state dict holds the parameters' own storage), so the
-    export writes exactly the names `PeftModel.from_pretrained` expects."""
+def adapter_record(model: PeftModel) -> dict[str, Any]:
+    """What the export needs to know of an adapter run, taken before sharding: "names", trainable
+    parameter name -> the key PEFT's `save_pretrained` writes it under (from PEFT itself: its adapter
+    state dict holds the parameters' own storage); "quantized", for QLoRA, the base weights that
+    trained in 4 bits with their quantization settings, so that --merge can start from what training saw."""
     saved_as = {tensor.data_ptr(): key for key, tensor in get_peft_model_state_dict(model).items()}
-    return {name: saved_as[p.data_ptr()] for name, p in model.named_parameters() if p.requires_grad}
+    names = {name: saved_as[p.data_ptr()] for name, p in model.named_parameters() if p.requires_grad}
+    quantized = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if type(weight).__name__ == "Params4bit":
+            base_name = name.removeprefix("base_model.model.").replace(".base_layer", "") + ".weight"
+            quantized[base_name] = {
+                "blocksize": weight.blocksize, "quant_type": weight.quant_type,
+                "compress_statistics": weight.compress_statistics,
+            }  # fmt: skip
+    settings = next(iter(quantized.values()), {})
+    record = {"weights": sorted(quantized), **settings, "dtype": str(model.dtype).removeprefix("torch.")}
+    return {"names": names, "quantized": record if quantized else None}
 
 
-def write_adapter_files(model: PeftModel, names: dict[str, str], folder: Path) -> None:
-    """adapter_config.json (with base_model_name_or_path) and the name map, for the export."""
+def write_adapter_files(model: PeftModel, record: dict[str, Any], folder: Path) -> None:
+    """adapter_config.json (with base_model_name_or_path) and the adapter record, for the export."""
     config = dataclasses.replace(model.peft_config["default"], inference_mode=True)  # as PEFT saves it
     config.save_pretrained(folder)
-    (folder / ADAPTER_NAMES).write_text(json.dumps(names, indent=1))
+    (folder / ADAPTER_RECORD).write_text(json.dumps(record, indent=1))
 
 
 def save_adapter_state(accelerator: Accelerator, model: torch.nn.Module, optimizer, folder: Path) -> None:

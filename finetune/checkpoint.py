@@ -40,8 +40,9 @@ TENSOR_NAMES = "tensor_names.json"
 ADAPTER_STATE = "adapter_state"
 """In the checkpoint of an adapter run: the DCP folder of adapter weights ("model.<name>") and their
 optimizer state, in place of accelerate's model and optimizer files (see finetune.adapters)."""
-ADAPTER_NAMES = "adapter_names.json"
-"""In `hf/` of an adapter checkpoint: parameter name -> the key PEFT saves it under, for the export."""
+ADAPTER_RECORD = "adapter_record.json"
+"""In `hf/` of an adapter checkpoint, for the export: "names" (parameter name -> the key PEFT saves it
+under) and, for QLoRA, "quantized" (which base weights trained in 4 bits, and how: for --merge)."""
 _STEP_FOLDER = re.compile(r"step_(\d+)")
 
 

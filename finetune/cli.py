@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype = getattr(torch, EXPORT_DTYPES[args.dtype]) if args.dtype else None
             out = export_checkpoint(
                 Path(args.checkpoint), Path(args.out), dtype=dtype, max_shard_size=args.max_shard_size,
-                overwrite=args.overwrite, merge=args.merge,
+                overwrite=args.overwrite, merge=args.merge, merge_onto=args.merge_onto,
             )  # fmt: skip
             print(f"exported {args.checkpoint} to {out}")
         else:
@@ -121,6 +121,10 @@ def _parser() -> argparse.ArgumentParser:
     export_parser.add_argument(
         "--merge", action="store_true", help="adapter checkpoints: write the base model with the adapter folded in"
     )
+    export_parser.add_argument(
+        "--merge-onto", choices=("dequantized", "original"), default="dequantized",
+        help="QLoRA: merge onto the 4-bit base as training saw it (default) or onto the original weights",
+    )  # fmt: skip
     plan_parser = commands.add_parser(
         "plan", help="estimate memory per device for a recipe and an accelerate config (no GPU, no weights)"
     )

@@ -197,6 +197,11 @@ class PeftConfig:
     modules_to_save: list[str] = field(default_factory=list)
     """Modules trained in full beside the adapters and saved with them, e.g. [lm_head] (not on tied embeddings)."""
 
+    quantization: Literal["none", "nf4"] = "none"
+    """nf4: QLoRA. The frozen base's linear layers are stored in 4 bits (NormalFloat with double
+    quantization, bitsandbytes), packed in `model.dtype` storage so that FSDP shards them like any
+    weight; they compute in `model.dtype`. none: the base keeps `model.dtype`."""
+
 
 @dataclass(kw_only=True)
 class RecipeConfig:

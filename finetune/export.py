@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from finetune.checkpoint import (
-    ADAPTER_NAMES,
+    ADAPTER_RECORD,
     ADAPTER_STATE,
     MODEL_FILES,
     TENSOR_NAMES,
@@ -54,7 +54,7 @@ _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_o
 _READ_FRACTION = 10
 # Offsets of the tensors inside a shard's buffer: any dtype can view memory aligned like this.
 _ALIGN = 64
-_NOT_ADAPTER_FILES = ("config.json", "generation_config.json", ADAPTER_NAMES)
+_NOT_ADAPTER_FILES = ("config.json", "generation_config.json", ADAPTER_RECORD)
 
 
 def export_checkpoint(
@@ -65,6 +65,7 @@ def export_checkpoint(
     max_shard_size: str = "5GB",
     overwrite: bool = False,
     merge: bool = False,
+    merge_onto: str = "dequantized",
 ) -> Path:
     """Write the model of `checkpoint` (a `step_<N>` folder, or a run's output dir for its latest
     checkpoint) to `out_dir`; `dtype` None keeps the dtype the parameters were trained in. An
@@ -89,14 +90,14 @@ def export_checkpoint(
         if adapter and not merge:
             _write_adapter_export(checkpoint, out_dir, dtype)
         else:
-            _write_export(checkpoint, out_dir, dtype, max_shard_size, merge=merge)
+            _write_export(checkpoint, out_dir, dtype, max_shard_size, merge=merge_onto if merge else None)
     return out_dir
 
 
 def adapter_tensors(checkpoint: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The adapter of an adapter checkpoint under PEFT's names, as trained (fp32) or in `dtype`. Only
     the adapter's tensors are read (a small fraction of the model), never the base's."""
-    names: dict[str, str] = json.loads((checkpoint / MODEL_FILES / ADAPTER_NAMES).read_text())
+    names: dict[str, str] = json.loads((checkpoint / MODEL_FILES / ADAPTER_RECORD).read_text())["names"]
     weights = _ShardedWeights(checkpoint / ADAPTER_STATE)
     missing = [name for name in names if name not in weights.shapes]
     if missing:
@@ -130,12 +131,13 @@ def _write_adapter_export(checkpoint: Path, out_dir: Path, dtype: torch.dtype | 
 
 
 def _write_export(
-    checkpoint: Path, out_dir: Path, dtype: torch.dtype | None, max_shard_size: str, merge: bool = False
+    checkpoint: Path, out_dir: Path, dtype: torch.dtype | None, max_shard_size: str, merge: str | None = None
 ) -> None:
-    if merge:
+    """The model folder; `merge` (an adapter checkpoint): what to merge onto, see finetune.merge."""
+    if merge is not None:
         from finetune.merge import merged_weights
 
-        weights, groups = merged_weights(checkpoint)
+        weights, groups = merged_weights(checkpoint, onto=merge)
         names = _export_names(weights, checkpoint, groups)
     else:
         weights = open_weights(checkpoint)
@@ -325,7 +327,7 @@ class _SafeMetadataReader(FileSystemReader):
 
 
 def _adapter_files(folder: str, names: list[str]) -> list[str]:
-    return [name for name in names if name in (ADAPTER_NAMES, "adapter_config.json")]
+    return [name for name in names if name in (ADAPTER_RECORD, "adapter_config.json")]
 
 
 def _export_names(
@@ -380,6 +382,8 @@ def _state_dtype(config_file: Path, dtype: torch.dtype) -> None:
     loads them as saved. The file was written by the training's save_pretrained; only this key changes."""
     config = json.loads(config_file.read_text())
     config["dtype"] = str(dtype).removeprefix("torch.")
+    # A QLoRA base was loaded in 4 bits; the exported weights are plain tensors of `dtype`.
+    config.pop("quantization_config", None)
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

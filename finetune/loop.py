@@ -121,7 +121,7 @@ def preflight(recipe: RecipeConfig) -> Path | None:
     if recipe.peft is not None:
         from finetune.adapters import check_adapter_launch  # imports peft (2 s): adapter runs only
 
-        check_adapter_launch()
+        check_adapter_launch(recipe.peft.quantization, recipe.model.dtype)
     if resume_from is not None:
         check_resume_kind(resume_from, adapters=recipe.peft is not None)
     return resume_from
@@ -143,13 +143,23 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
     # Under rank-0 loading (cpu_ram_efficient_loading) only rank 0 reads the weights; the others
     # start on the meta device and receive them from rank 0 while the model is sharded.
     started_on_meta = rank_zero_loading() and not accelerator.is_main_process
-    model = load_model(recipe.model, recipe.train.activation_checkpointing, read_weights=not started_on_meta)
-    adapters = None  # parameter name -> the name PEFT saves it under, for an adapter run
+    quantization = None
+    if recipe.peft is not None and recipe.peft.quantization == "nf4":
+        from finetune.adapters import quantization_config
+
+        quantization = quantization_config(DTYPES[recipe.model.dtype])
+    model = load_model(
+        recipe.model,
+        recipe.train.activation_checkpointing,
+        read_weights=not started_on_meta,
+        quantization=quantization,
+    )
+    adapters = None  # for an adapter run, what its export needs to know (adapters.adapter_record)
     if recipe.peft is not None:
         from finetune import adapters as peft_adapters  # imports peft (2 s): adapter runs only
 
         model = peft_adapters.add_adapters(model, recipe.peft)
-        adapters = peft_adapters.adapter_names(model)
+        adapters = peft_adapters.adapter_record(model)
     names = tensor_names(model)  # before FSDP renames or flattens anything; saved with every checkpoint
     data = build_data(
         recipe.data, tokenizer, accelerator, seed=recipe.train.seed, micro_batch_size=recipe.train.micro_batch_size

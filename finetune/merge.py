@@ -6,6 +6,12 @@ adapter_config.json names) a few tensors at a time, each adapted weight gets its
 the result is written by the same shard-at-a-time exporter as any checkpoint: memory stays about
 one output shard. The arithmetic is PEFT's `merge_and_unload`, step for step: in fp32 the files are
 bit-identical to it; for a bf16 base the merge happens in fp32 before the cast (PEFT adds in bf16).
+
+A QLoRA adapter trained against the 4-bit base, not the original weights: by default each weight
+that trained in 4 bits is quantized and dequantized exactly as training loaded it (bitsandbytes, same
+block size and type) before the update is added, so the merged model computes what the trained one
+did; `onto="original"` adds the update to the original weights instead (closer to the base's own
+quality, further from what the adapter was fitted to).
 """
 
 from __future__ import annotations
@@ -16,16 +22,20 @@ from pathlib import Path
 
 import torch
 
-from finetune.checkpoint import MODEL_FILES, tensor_names
+from finetune.checkpoint import ADAPTER_RECORD, MODEL_FILES, tensor_names
 from finetune.errors import FinetuneError, first_line
 from finetune.export import CheckpointWeights, _SafetensorsWeights, adapter_tensors
 
 _PREFIX = "base_model.model."  # PEFT's prefix of every saved adapter key
 
 
-def merged_weights(checkpoint: Path) -> tuple[CheckpointWeights, list[list[str]]]:
+MERGE_BASES = ("dequantized", "original")
+
+
+def merged_weights(checkpoint: Path, onto: str = "dequantized") -> tuple[CheckpointWeights, list[list[str]]]:
     """The base model's weights with the adapter of `checkpoint` folded in, and the model's tensor
-    names (tied ones grouped), from the base config saved with the checkpoint."""
+    names (tied ones grouped), from the base config saved with the checkpoint. `onto` matters for
+    QLoRA only: the base as training saw it (dequantized 4-bit) or the original weights."""
     from transformers import AutoConfig
 
     from finetune.model import meta_model
@@ -37,15 +47,26 @@ def merged_weights(checkpoint: Path) -> tuple[CheckpointWeights, list[list[str]]
     # GPT-2 style Conv1D layers store (in, out): their update is transposed, as PEFT's fan_in_fan_out does.
     transposed = {name for name, module in model.named_modules() if type(module).__name__ == "Conv1D"}
     base = _base_weights(config["base_model_name_or_path"])
-    return MergedWeights(base, adapter_tensors(checkpoint), config, transposed), tensor_names(model)
+    record = json.loads((checkpoint / MODEL_FILES / ADAPTER_RECORD).read_text())
+    quantized = record.get("quantized") if onto == "dequantized" else None
+    merged = MergedWeights(base, adapter_tensors(checkpoint), config, transposed, quantized)
+    return merged, tensor_names(model)
 
 
 class MergedWeights(CheckpointWeights):
     """Base weights by name, with the adapter's updates applied as each tensor is read."""
 
-    def __init__(self, base: CheckpointWeights, adapter: dict[str, torch.Tensor], config: dict, transposed: set[str]):
+    def __init__(
+        self,
+        base: CheckpointWeights,
+        adapter: dict[str, torch.Tensor],
+        config: dict,
+        transposed: set[str],
+        quantized: dict | None = None,
+    ):
         super().__init__(base.shapes, base.dtypes)
-        self.base, self.transposed = base, transposed
+        self.base, self.transposed, self.quantized = base, transposed, quantized
+        self.as_trained = set(quantized["weights"]) if quantized else set()
         self.scaling = config["lora_alpha"] / (math.sqrt(config["r"]) if config.get("use_rslora") else config["r"])
         self.parts: dict[str, dict[str, torch.Tensor]] = {}  # "<module>.weight" -> lora_A, lora_B, magnitude
         self.replaced: dict[str, torch.Tensor] = {}  # modules_to_save: trained in full
@@ -66,16 +87,31 @@ class MergedWeights(CheckpointWeights):
             )
 
     def read_into(self, targets: dict[str, torch.Tensor]) -> None:
-        plain = {name: t for name, t in targets.items() if name not in self.parts and name not in self.replaced}
+        changed = self.parts.keys() | self.replaced.keys() | self.as_trained
+        plain = {name: t for name, t in targets.items() if name not in changed}
         if plain:
             self.base.read_into(plain)
         for name, target in targets.items():
             if name in self.replaced:
                 target.copy_(self.replaced[name])
-            elif name in self.parts:
+            elif name in changed:
                 weight = torch.empty(self.shapes[name], dtype=torch.float32)
                 self.base.read_into({name: weight})
-                target.copy_(self._merge(name, weight))
+                if name in self.as_trained:
+                    weight = self._as_trained(weight)
+                target.copy_(self._merge(name, weight) if name in self.parts else weight)
+
+    def _as_trained(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight as QLoRA training computed with it: loaded in the training dtype, quantized to 4
+        bits as bitsandbytes' Params4bit does, dequantized."""
+        import bitsandbytes.functional as bnb
+
+        q = self.quantized
+        packed, state = bnb.quantize_4bit(
+            weight.to(getattr(torch, q["dtype"])).contiguous(), blocksize=q["blocksize"],
+            compress_statistics=q["compress_statistics"], quant_type=q["quant_type"],
+        )  # fmt: skip
+        return bnb.dequantize_4bit(packed, state).float()
 
     def _merge(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """PEFT's Linear.merge in fp32: W + delta for LoRA; m / ||W + delta||_row * (W + delta) for DoRA."""

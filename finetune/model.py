@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import init_empty_weights
@@ -89,8 +90,11 @@ def meta_model(config: PretrainedConfig) -> PreTrainedModel:
         return AutoModelForCausalLM.from_config(config)
 
 
-def load_model(cfg: ModelConfig, activation_checkpointing: bool, *, read_weights: bool = True) -> PreTrainedModel:
-    """The model in the recipe's parameter dtype, never in the checkpoint's dtype by accident.
+def load_model(
+    cfg: ModelConfig, activation_checkpointing: bool, *, read_weights: bool = True, quantization: Any = None
+) -> PreTrainedModel:
+    """The model in the recipe's parameter dtype, never in the checkpoint's dtype by accident;
+    `quantization` is a transformers quantization config (QLoRA's 4-bit base) or None.
 
     `read_weights=False` is rank-0 loading on the other ranks: parameters are created on the meta
     device (no file read, no memory) and receive rank 0's values when accelerate shards the model.
@@ -100,8 +104,9 @@ def load_model(cfg: ModelConfig, activation_checkpointing: bool, *, read_weights
     try:
         if read_weights:
             model = AutoModelForCausalLM.from_pretrained(
-                cfg.name_or_path, dtype=dtype, attn_implementation=attention, trust_remote_code=cfg.trust_remote_code
-            )
+                cfg.name_or_path, dtype=dtype, attn_implementation=attention, trust_remote_code=cfg.trust_remote_code,
+                quantization_config=quantization,
+            )  # fmt: skip
         else:
             config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
             with init_empty_weights(include_buffers=False):
@@ -178,10 +183,10 @@ def check_tied_weights(model: PreTrainedModel) -> None:
 
 
 def save_model_files(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, adapters: dict[str, str] | None, folder: Path
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, adapters: dict[str, Any] | None, folder: Path
 ) -> None:
     """Everything of a Hugging Face model folder but the weights: config, generation config, tokenizer;
-    for an adapter run (`adapters`: its `adapter_names`) also the adapter config."""
+    for an adapter run (`adapters`: its `adapter_record`) also the adapter config and record."""
     model.config.save_pretrained(folder)
     if model.can_generate() and model.generation_config is not None:
         model.generation_config.save_pretrained(folder)

@@ -10,6 +10,8 @@ N processes sharding them, p the bytes of a stored parameter and c the bytes of 
 
 With adapters (a recipe's `peft` section) gradients and optimizer state exist for the T trainable
 adapter parameters only, in fp32: 4*T / N and 8*T / N; the parameters are the frozen base plus them.
+QLoRA stores the base's linear weights (all but the output head) in 4 bits plus their double-quantized
+block scales: 4.125 bits per weight (0.5 byte + 1 byte per 64 + 4 bytes per 64*256).
     gather buffers    full shard: 2 units*c    (the unit computing and the one prefetched)
                       shard-grad-op: P*c       (kept unsharded from forward to backward)
     activations       see `activation_bytes`
@@ -26,6 +28,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+import torch
 from transformers import PreTrainedModel
 
 from finetune.config import RecipeConfig
@@ -35,6 +38,7 @@ from finetune.model import DTYPES, load_model_config, meta_model
 from finetune.wrap import wrap_classes
 
 _MIXED = {"bf16": 2, "fp16": 2}
+_NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # per weight: 4 bits, an 8-bit scale per block of 64, fp32 per 256 blocks
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,8 @@ class ModelShape:
     trainable: int
     """Parameters that get gradients and optimizer state: all of them, or the adapters' (fp32)."""
     adapters: bool = False
+    quantizable: int = 0
+    """Frozen weights of linear layers other than the output head: what QLoRA stores in 4 bits."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,11 @@ def model_shape(model: PreTrainedModel) -> ModelShape:
         vocab=text.vocab_size,
         trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
         adapters=adapters,
+        quantizable=sum(
+            m.weight.numel()
+            for m in model.modules()
+            if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad and m is not model.get_output_embeddings()
+        ),
     )
 
 
@@ -144,12 +155,16 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     shards = {"ddp": 1, "hybrid_shard": launch.processes_per_machine}.get(strategy, world)
     trainable_bytes = shape.trainable * (4 if shape.adapters else param_bytes)  # adapters train in fp32
     frozen_bytes = (shape.parameters - shape.trainable) * param_bytes
+    if recipe.peft is not None and recipe.peft.quantization == "nf4":
+        frozen_bytes -= shape.quantizable * param_bytes - int(shape.quantizable * _NF4_BYTES)
     parameters = (frozen_bytes + trainable_bytes) // shards
     gradients, optimizer = trainable_bytes // shards, 2 * trainable_bytes // shards
+    # What an all-gather moves per parameter: QLoRA gathers the packed 4-bit weights as they are stored.
+    gathered_bytes = _NF4_BYTES if recipe.peft is not None and recipe.peft.quantization == "nf4" else compute_bytes
     if strategy in ("full_shard", "hybrid_shard"):
-        gather = 2 * shape.largest_unit * compute_bytes
+        gather = int(2 * shape.largest_unit * gathered_bytes)
     elif strategy == "shard_grad_op":
-        gather = shape.parameters * compute_bytes
+        gather = int(shape.parameters * gathered_bytes)
     else:  # DDP keeps full parameters; low-precision compute adds cast copies
         gather = shape.parameters * compute_bytes if compute_bytes != param_bytes else 0
     tokens = recipe.train.micro_batch_size * recipe.data.max_length

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from finetune.adapters import add_adapters, check_adapter_launch
+from finetune.adapters import add_adapters, check_adapter_launch, quantization_config
 from finetune.checkpoint import ADAPTER_STATE, MARKER, check_resume_kind
 from finetune.config import PeftConfig, load_recipe
 from finetune.errors import FinetuneError
@@ -152,6 +153,80 @@ def test_merge_of_a_full_checkpoint_is_refused(one_process_run, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+QLORA = {**LORA, "peft.quantization": "nf4", "peft.target_modules": "[all-linear]", "train.max_steps": 4}
+
+
+@pytest.fixture(scope="module")
+def qlora_run(tmp_path_factory, demo_assets) -> Run:
+    """QLoRA under FSDP2 on 2 processes in fp32 (4-bit weights packed in fp32 storage), merged at the end."""
+    return _run(
+        tmp_path_factory, demo_assets, "qlora", "fsdp2_full_shard.yaml", **QLORA, **{"output.export_merged": "true"}
+    )
+
+
+def per_rank(run: Run, key: str) -> list[int]:
+    (entry,) = [m for m in run.metrics() if "memory/rank0/parameters" in m]
+    return [entry[f"memory/rank{rank}/{key}"] for rank in (0, 1)]
+
+
+def test_qlora_shards_the_4bit_base_and_reproduces_its_logits(qlora_run, demo_assets):
+    assert "frozen in float32" in qlora_run.log  # the packed 4-bit weights, in their storage dtype
+    full_parameters = sum(
+        p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(demo_assets / "base").parameters()
+    )
+    assert max(per_rank(qlora_run, "parameters")) < 0.4 * full_parameters  # 4 bits, and sharded over 2 ranks
+    saved = open_weights_of_adapters(qlora_run.output_dir / "checkpoints" / "step_4")
+    assert saved and all(".lora_A." in name or ".lora_B." in name for name in saved)
+    # The adapter on the base loaded in 4 bits the same way, in a fresh process: the trained model exactly.
+    script = (
+        "import sys, torch; from peft import PeftModel; from safetensors.torch import load_file; "
+        "from transformers import AutoModelForCausalLM, BitsAndBytesConfig; ref = load_file(sys.argv[3]); "
+        "q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True, "
+        "bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.float32); "
+        "base = AutoModelForCausalLM.from_pretrained(sys.argv[1], quantization_config=q, dtype=torch.float32); "
+        "model = PeftModel.from_pretrained(base, sys.argv[2]).eval(); torch.no_grad().__enter__(); "
+        "print((model(input_ids=ref['input_ids']).logits - ref['logits']).abs().max().item())"
+    )
+    final = qlora_run.output_dir / "final"
+    args = [str(demo_assets / "base"), str(final), str(qlora_run.output_dir / "final_logits.safetensors")]
+    result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert float(result.stdout.split()[-1]) <= 1e-5
+
+
+def test_qlora_merges_onto_the_base_training_saw(qlora_run, tmp_path):
+    """The default merge dequantizes the base as training loaded it; onto the original weights is further off."""
+    original = tmp_path / "original"
+    command = [sys.executable, "-m", "finetune", "export", str(qlora_run.output_dir), str(original)]
+    result = subprocess.run([*command, "--merge", "--merge-onto", "original"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reference = load_file(qlora_run.output_dir / "final_logits.safetensors")
+
+    def distance(folder: Path) -> float:
+        config = json.loads((folder / "config.json").read_text())
+        assert "quantization_config" not in config  # a plain model: its weights are ordinary tensors
+        with torch.no_grad():
+            logits = AutoModelForCausalLM.from_pretrained(folder)(input_ids=reference["input_ids"]).logits
+        return (logits - reference["logits"]).abs().max().item()
+
+    dequantized = distance(qlora_run.output_dir / "final_merged")
+    assert dequantized * 10 < distance(original), dequantized
+
+
+def test_qlora_trains_with_bf16_storage_under_bf16_mixed_precision(tmp_path, demo_assets):
+    """The setting real QLoRA runs use: base in bf16 storage, FSDP2 bf16 mixed precision; sharded, finite."""
+    overrides = {**QLORA, "model.dtype": "bfloat16", "train.max_steps": 2, "checkpoint.save_every_steps": 0}
+    result = launch(
+        "fsdp2_full_shard.yaml", recipe_overrides(demo_assets, tmp_path / "out", **overrides),
+        launch_args=("--mixed_precision", "bf16"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    run = Run(result, tmp_path / "out")
+    assert "frozen in bfloat16" in run.log and all(math.isfinite(loss) for loss in run.losses())
+    assert per_rank(run, "parameters")[0] == pytest.approx(per_rank(run, "parameters")[1], rel=0.1)
+    assert (run.output_dir / "final" / "adapter_model.safetensors").exists()
+
+
 def test_plan_counts_adapter_state_as_measured(lora_run):
     """`finetune plan`'s parameter, gradient and AdamW figures for an adapter recipe, against the run's own report."""
     recipe = load_recipe(lora_run.output_dir / "recipe.yaml")
@@ -179,6 +254,16 @@ def test_bad_adapter_input_names_the_fix(demo_assets, tmp_path, monkeypatch):
     monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
     with pytest.raises(FinetuneError, match="fsdp_cpu_ram_efficient_loading: false"):
         check_adapter_launch()
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    with pytest.raises(
+        FinetuneError, match="QLoRA under FSDP with bfloat16 mixed precision needs model.dtype: bfloat16"
+    ):
+        check_adapter_launch("nf4", "float32")
+    check_adapter_launch("nf4", "bfloat16")
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if it were not installed
+    with pytest.raises(FinetuneError, match="peft.quantization=nf4 needs bitsandbytes; install it"):
+        quantization_config(torch.bfloat16)
 
 
 def test_checkpoints_resume_only_their_own_kind(lora_run, one_process_run):

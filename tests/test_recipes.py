@@ -27,6 +27,8 @@ MODELS = {
     "recipes/llama/llama-3.1-70b.yaml": ("LlamaDecoderLayer", 70_553_706_496),
     "recipes/qwen/qwen2.5-7b.yaml": ("Qwen2DecoderLayer", 7_615_616_512),
     "recipes/mistral/mistral-7b.yaml": ("MistralDecoderLayer", 7_248_023_552),
+    "recipes/llama/llama-3.1-8b-lora.yaml": ("LlamaDecoderLayer", 8_030_261_248),
+    "recipes/qwen/qwen2.5-7b-lora.yaml": ("Qwen2DecoderLayer", 7_615_616_512),
 }
 
 
