@@ -106,13 +106,22 @@ def _train_tokenizer(examples: list[dict]) -> PreTrainedTokenizerFast:
     )
 
 
+def exported_model(output_dir: Path) -> Path:
+    """The model folder a run exported: `final/`, or for an adapter run (whose `final/` is the adapter)
+    the merged model in `final_merged/`."""
+    final = output_dir / "final"
+    return output_dir / "final_merged" if (final / "adapter_config.json").exists() else final
+
+
 def report(workdir: str, output_dir: str = "outputs/demo/run") -> None:
     """Print base vs fine-tuned loss and exact-match accuracy on the held-out test set."""
     root = Path(workdir)
-    base_dir, tuned_dir = root / "base", Path(output_dir) / "final"
+    base_dir, tuned_dir = root / "base", exported_model(Path(output_dir))
     for folder in (base_dir, tuned_dir):
         if not (folder / "config.json").exists():
-            raise FinetuneError(f"{folder} holds no model; run `make demo` (it builds, trains and exports first)")
+            raise FinetuneError(
+                f"{folder} holds no model; run `make demo` or `make demo-lora` (they build, train and export first)"
+            )
     examples = [json.loads(line) for line in (root / "data" / "test.jsonl").read_text().splitlines()]
     tokenizer = AutoTokenizer.from_pretrained(tuned_dir)
     rows = []

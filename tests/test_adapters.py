@@ -18,6 +18,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
+from finetune import demo
 from finetune.adapters import add_adapters, check_adapter_launch, quantization_config
 from finetune.checkpoint import ADAPTER_STATE, MARKER, check_resume_kind
 from finetune.config import PeftConfig, load_recipe
@@ -116,7 +117,9 @@ def dora_run(tmp_path_factory, demo_assets) -> Run:
     )  # fmt: skip
 
 
-def test_dora_under_ddp_trains_and_exports(dora_run):
+def test_dora_under_ddp_trains_and_exports(dora_run, lora_run):
+    assert demo.exported_model(dora_run.output_dir) == dora_run.output_dir / "final_merged"  # what the report reads
+    assert demo.exported_model(lora_run.output_dir) == lora_run.output_dir / "final_merged"
     losses = dora_run.losses()
     assert losses[-1] < losses[0]
     keys = load_file(dora_run.output_dir / "final" / "adapter_model.safetensors")
