@@ -161,11 +161,6 @@ def save_adapter_state(accelerator: Accelerator, model: torch.nn.Module, optimiz
 
 def load_adapter_state(accelerator: Accelerator, model: torch.nn.Module, optimizer, folder: Path) -> None:
     """Restore what `save_adapter_state` wrote, resharded to this run's process count."""
-    if not (folder / ADAPTER_STATE).is_dir():
-        raise FinetuneError(
-            f"checkpoint {folder} is of a full fine-tuning run, not of adapters; remove the recipe's peft section to "
-            "resume it, or start this run in a new output.dir"
-        )
     model_state, optimizer_state = get_state_dict(model, optimizer.optimizer, options=_TRAINABLE_ONLY)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=folder / ADAPTER_STATE)

@@ -151,7 +151,8 @@ def _write_export(
     partial = _make_partial(out_dir)
     try:
         # tokenizer, configs (not an adapter's: a merged model is a plain transformers model)
-        shutil.copytree(checkpoint / MODEL_FILES, partial, dirs_exist_ok=True, ignore=_adapter_files)
+        adapter_files = shutil.ignore_patterns(ADAPTER_RECORD, "adapter_config.json")
+        shutil.copytree(checkpoint / MODEL_FILES, partial, dirs_exist_ok=True, ignore=adapter_files)
         _state_dtype(partial / "config.json", dtype)
         largest_shard = max(_nbytes(layout, tensors) for tensors in split.filename_to_tensors.values())
         read_budget = max(largest_shard // _READ_FRACTION, 1)
@@ -324,10 +325,6 @@ class _SafeMetadataReader(FileSystemReader):
             with open(Path(self.path) / ".metadata", "rb") as f:
                 self._metadata = MetadataUnpickler(f).load()
         return self._metadata
-
-
-def _adapter_files(folder: str, names: list[str]) -> list[str]:
-    return [name for name in names if name in (ADAPTER_RECORD, "adapter_config.json")]
 
 
 def _export_names(

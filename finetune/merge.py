@@ -29,9 +29,6 @@ from finetune.export import CheckpointWeights, _SafetensorsWeights, adapter_tens
 _PREFIX = "base_model.model."  # PEFT's prefix of every saved adapter key
 
 
-MERGE_BASES = ("dequantized", "original")
-
-
 def merged_weights(checkpoint: Path, onto: str = "dequantized") -> tuple[CheckpointWeights, list[list[str]]]:
     """The base model's weights with the adapter of `checkpoint` folded in, and the model's tensor
     names (tied ones grouped), from the base config saved with the checkpoint. `onto` matters for

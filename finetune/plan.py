@@ -7,14 +7,15 @@ N processes sharding them, p the bytes of a stored parameter and c the bytes of 
     parameters        P*p / N                  (DDP: P*p)
     gradients         P*p / N                  (gradients live in the parameters' dtype)
     optimizer state   2*P*p / N                (AdamW's two moments)
+    gather buffers    full shard: 2 units*c    (the unit computing and the one prefetched)
+                      shard-grad-op: P*c       (kept unsharded from forward to backward)
+    activations       see `activation_bytes`
 
 With adapters (a recipe's `peft` section) gradients and optimizer state exist for the T trainable
 adapter parameters only, in fp32: 4*T / N and 8*T / N; the parameters are the frozen base plus them.
 QLoRA stores the base's linear weights (all but the output head) in 4 bits plus their double-quantized
-block scales: 4.125 bits per weight (0.5 byte + 1 byte per 64 + 4 bytes per 64*256).
-    gather buffers    full shard: 2 units*c    (the unit computing and the one prefetched)
-                      shard-grad-op: P*c       (kept unsharded from forward to backward)
-    activations       see `activation_bytes`
+block scales: 4.125 bits per weight (0.5 byte + 1 byte per 64 + 4 bytes per 64*256), and gathers them
+packed.
 
 With CPU offload, parameters, gradients and optimizer state live in host RAM instead. The
 parameter, gradient and optimizer figures are exactly what `finetune.memory` measures on the local
@@ -153,14 +154,15 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     compute_bytes = _MIXED.get(launch.mixed_precision, param_bytes)
     world = launch.num_processes
     shards = {"ddp": 1, "hybrid_shard": launch.processes_per_machine}.get(strategy, world)
+    nf4 = recipe.peft is not None and recipe.peft.quantization == "nf4"
     trainable_bytes = shape.trainable * (4 if shape.adapters else param_bytes)  # adapters train in fp32
     frozen_bytes = (shape.parameters - shape.trainable) * param_bytes
-    if recipe.peft is not None and recipe.peft.quantization == "nf4":
+    if nf4:
         frozen_bytes -= shape.quantizable * param_bytes - int(shape.quantizable * _NF4_BYTES)
     parameters = (frozen_bytes + trainable_bytes) // shards
     gradients, optimizer = trainable_bytes // shards, 2 * trainable_bytes // shards
     # What an all-gather moves per parameter: QLoRA gathers the packed 4-bit weights as they are stored.
-    gathered_bytes = _NF4_BYTES if recipe.peft is not None and recipe.peft.quantization == "nf4" else compute_bytes
+    gathered_bytes = _NF4_BYTES if nf4 else compute_bytes
     if strategy in ("full_shard", "hybrid_shard"):
         gather = int(2 * shape.largest_unit * gathered_bytes)
     elif strategy == "shard_grad_op":

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, Run, _run, launch, recipe_overrides
+from conftest import CHECKPOINT_SETTINGS, CONFIGS, Run, _run, launch, recipe_overrides
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
@@ -30,13 +30,10 @@ from finetune.plan import estimate, model_shape, planned_model
 pytestmark = pytest.mark.multiprocess
 
 LORA = {
+    **CHECKPOINT_SETTINGS,
     "peft.r": 8,
     "peft.target_modules": "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
     "optim.lr": "1e-3",
-    "train.max_steps": 8,
-    "train.eval_every_steps": 0,
-    "data.eval_path": "null",
-    "checkpoint.save_every_steps": 2,
     "checkpoint.keep_last": 3,
 }
 

@@ -81,8 +81,7 @@ def load_split(path: str, split: str) -> datasets.Dataset:
 def _locate_problem(path: Path) -> str | None:
     """The file and line where a local text dataset stops being valid UTF-8 (or, for JSON Lines,
     valid JSON), for the error message."""
-    files = [path] if path.is_file() else sorted(path.rglob("*"))
-    for file in files:
+    for file in map(Path, local_files(path)[1]):
         if file.suffix not in (".json", ".jsonl", ".csv"):
             continue
         with file.open("rb") as f:
