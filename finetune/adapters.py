@@ -107,17 +107,34 @@ def check_adapter_launch(quantization: str = "none", model_dtype: str = "float32
 
 
 def describe_adapters(model: torch.nn.Module) -> str:
-    """The log line of an adapter run: what trains, what is frozen, in which dtypes."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    frozen = [p for p in model.parameters() if not p.requires_grad]
-    return (
-        f"adapters: {sum(p.numel() for p in trainable):,} trainable parameters in {_dtypes(trainable)} (their "
-        f"gradients and AdamW state too), {sum(p.numel() for p in frozen):,} frozen in {_dtypes(frozen)}"
-    )
+    """The log line of an adapter run: how many parameters train and how many are frozen (4-bit
+    weights counted as the weights they stand for, not as their packed storage)."""
+    packed = {id(m.weight): 2 * m.weight.element_size() for m in model.modules() if type(m).__name__ == "Linear4bit"}
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() * packed.get(id(p), 1) for p in model.parameters() if not p.requires_grad)
+    in_4bit = sum(p.numel() * packed[id(p)] for p in model.parameters() if id(p) in packed)
+    quantized = f", {in_4bit:,} of them in 4 bits (nf4)" if in_4bit else ""
+    return f"adapters: {trainable:,} trainable parameters, {frozen:,} frozen{quantized}"
+
+
+def adapter_precision(model: torch.nn.Module, mixed_precision: str) -> str:
+    """The precision line of an adapter run: the frozen base, its 4-bit weights, and the adapters.
+    Adapters are fp32 parameters, so their gradients and AdamW state are fp32, and so is the gradient
+    reduction (FSDP2: finetune's mixed-precision policy; DDP: the gradients' own dtype)."""
+    packed = {id(m.weight) for m in model.modules() if type(m).__name__ == "Linear4bit"}
+    base = _dtypes([p for p in model.parameters() if not p.requires_grad and id(p) not in packed])
+    adapters = _dtypes([p for p in model.parameters() if p.requires_grad])
+    compute = {"bf16": "bfloat16", "fp16": "float16"}.get(mixed_precision)
+    line = f"precision: frozen base in {base}"
+    if packed:
+        storage = _dtypes([p for p in model.parameters() if id(p) in packed])
+        line += f", its linear weights in 4 bits (nf4, packed in {storage} storage, dequantized to compute)"
+    line += f"; adapters, their gradients and AdamW state in {adapters}, gradients reduced in {adapters}; "
+    return line + (f"compute in {compute}" if compute else f"adapters compute in {adapters}, the base in {base}")
 
 
 def _dtypes(params: list[torch.Tensor]) -> str:
-    return "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
+    return "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params})) or "-"
 
 
 def adapter_record(model: PeftModel) -> dict[str, Any]:

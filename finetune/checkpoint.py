@@ -42,7 +42,8 @@ ADAPTER_STATE = "adapter_state"
 optimizer state, in place of accelerate's model and optimizer files (see finetune.adapters)."""
 ADAPTER_RECORD = "adapter_record.json"
 """In `hf/` of an adapter checkpoint, for the export: "names" (parameter name -> the key PEFT saves it
-under) and, for QLoRA, "quantized" (which base weights trained in 4 bits, and how: for --merge)."""
+under), "base" (the base model's `weights_fingerprint`: resume and --merge refuse another base) and,
+for QLoRA, "quantized" (which base weights trained in 4 bits, and how: for --merge)."""
 _STEP_FOLDER = re.compile(r"step_(\d+)")
 
 
@@ -266,6 +267,24 @@ def check_resume_kind(path: Path, adapters: bool) -> None:
         raise FinetuneError(
             f"checkpoint {path} is of {saved} run but the recipe {recipe}; resume it with the recipe it was trained "
             "with, or start in a new output.dir"
+        )
+
+
+def trained_base(checkpoint: Path) -> str | None:
+    """The fingerprint of the base model an adapter checkpoint trained on (None: not recorded)."""
+    record = checkpoint / MODEL_FILES / ADAPTER_RECORD
+    return json.loads(record.read_text()).get("base") if record.is_file() else None
+
+
+def check_resume_base(checkpoint: Path, name_or_path: str, fingerprint: str | None) -> None:
+    """Adapters resume only on the base they trained on: the same name is not enough, since a folder
+    can be overwritten and a hub model updated, and on another base the adapters would be meaningless."""
+    trained = trained_base(checkpoint)
+    if trained is not None and fingerprint is not None and trained != fingerprint:
+        raise FinetuneError(
+            f"checkpoint {checkpoint} trained its adapters on another base model than {name_or_path!r} holds now "
+            f"(fingerprint {trained}, now {fingerprint}: its config or weights changed); resume on the base it "
+            "trained on, or start a new output.dir"
         )
 
 

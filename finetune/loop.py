@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 
 from finetune.checkpoint import (
     TrainerState,
+    check_resume_base,
     check_resume_kind,
     checkpoints_root,
     load_checkpoint,
@@ -61,7 +62,9 @@ from finetune.model import (
     checkpoint_dropout_exactly,
     load_model,
     load_tokenizer,
+    model_folder,
     save_model_files,
+    weights_fingerprint,
 )
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.outputs import check_output_dir, claim_output_dir
@@ -124,7 +127,15 @@ def preflight(recipe: RecipeConfig) -> Path | None:
         check_adapter_launch(recipe.peft.quantization, recipe.model.dtype)
     if resume_from is not None:
         check_resume_kind(resume_from, adapters=recipe.peft is not None)
+        if recipe.peft is not None:
+            check_resume_base(resume_from, recipe.model.name_or_path, _base_fingerprint(recipe))
     return resume_from
+
+
+def _base_fingerprint(recipe: RecipeConfig) -> str | None:
+    """The `weights_fingerprint` of the recipe's base model, None while a hub model is not cached yet."""
+    folder = model_folder(recipe.model.name_or_path)
+    return weights_fingerprint(folder) if folder is not None else None
 
 
 def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
@@ -159,7 +170,11 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
         from finetune import adapters as peft_adapters  # imports peft (2 s): adapter runs only
 
         model = peft_adapters.add_adapters(model, recipe.peft)
-        adapters = peft_adapters.adapter_record(model)
+        # Checked again now that a hub base is surely in the cache (preflight may have run before it was).
+        base = _base_fingerprint(recipe)
+        if resume_from is not None:
+            check_resume_base(resume_from, recipe.model.name_or_path, base)
+        adapters = {**peft_adapters.adapter_record(model), "base": base}
     names = tensor_names(model)  # before FSDP renames or flattens anything; saved with every checkpoint
     data = build_data(
         recipe.data, tokenizer, accelerator, seed=recipe.train.seed, micro_batch_size=recipe.train.micro_batch_size
@@ -442,8 +457,9 @@ def _log_setup(
         data.train_stats.describe("train data"),
     ]
     if recipe.peft is not None:
-        from finetune.adapters import describe_adapters
+        from finetune.adapters import adapter_precision, describe_adapters
 
+        lines[1] = adapter_precision(model, accelerator.mixed_precision)
         lines.insert(2, describe_adapters(model))
     if data.eval_stats is not None:
         lines.append(data.eval_stats.describe("eval data"))

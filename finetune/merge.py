@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.checkpoint import ADAPTER_RECORD, MODEL_FILES, tensor_names
+from finetune.checkpoint import ADAPTER_RECORD, MODEL_FILES, tensor_names, trained_base
 from finetune.errors import FinetuneError, first_line
 from finetune.export import CheckpointWeights, _SafetensorsWeights, adapter_tensors
 
@@ -43,7 +43,7 @@ def merged_weights(checkpoint: Path, onto: str = "dequantized") -> tuple[Checkpo
     model = meta_model(AutoConfig.from_pretrained(checkpoint / MODEL_FILES))
     # GPT-2 style Conv1D layers store (in, out): their update is transposed, as PEFT's fan_in_fan_out does.
     transposed = {name for name, module in model.named_modules() if type(module).__name__ == "Conv1D"}
-    base = _base_weights(config["base_model_name_or_path"])
+    base = _base_weights(config["base_model_name_or_path"], trained_base(checkpoint))
     record = json.loads((checkpoint / MODEL_FILES / ADAPTER_RECORD).read_text())
     quantized = record.get("quantized") if onto == "dequantized" else None
     merged = MergedWeights(base, adapter_tensors(checkpoint), config, transposed, quantized)
@@ -123,8 +123,9 @@ class MergedWeights(CheckpointWeights):
         return factor.view(-1, 1) * (weight + delta)
 
 
-def _base_weights(name_or_path: str) -> CheckpointWeights:
-    """The base model's safetensors: a local folder, or a hub model (from the cache, else downloaded)."""
+def _base_weights(name_or_path: str, trained_on: str | None) -> CheckpointWeights:
+    """The base model's safetensors: a local folder, or a hub model (from the cache, else downloaded);
+    refused when they are not the weights the adapter trained on (`trained_on`: their fingerprint)."""
     folder = Path(name_or_path).expanduser()
     if not folder.is_dir():
         from huggingface_hub import snapshot_download
@@ -139,4 +140,12 @@ def _base_weights(name_or_path: str) -> CheckpointWeights:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FinetuneError(f"the base model folder {folder} holds no safetensors weights to merge the adapter into")
+    from finetune.model import weights_fingerprint
+
+    if trained_on is not None and weights_fingerprint(folder) != trained_on:
+        raise FinetuneError(
+            f"the base model {name_or_path!r} is not the one the adapter trained on (its config or weights changed "
+            "since); point base_model_name_or_path in the checkpoint's hf/adapter_config.json at the base it trained "
+            "on, or export without --merge"
+        )
     return _SafetensorsWeights(files)

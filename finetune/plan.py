@@ -15,7 +15,8 @@ With adapters (a recipe's `peft` section) gradients and optimizer state exist fo
 adapter parameters only, in fp32: 4*T / N and 8*T / N; the parameters are the frozen base plus them.
 QLoRA stores the base's linear weights (all but the output head) in 4 bits plus their double-quantized
 block scales: 4.125 bits per weight (0.5 byte + 1 byte per 64 + 4 bytes per 64*256), and gathers them
-packed.
+packed. It also needs the whole 4-bit base on every device at load: transformers' bitsandbytes
+loading places the quantized model on the process's GPU, and accelerate shards it only afterwards.
 
 With CPU offload, parameters, gradients and optimizer state live in host RAM instead. The
 parameter, gradient and optimizer figures are exactly what `finetune.memory` measures on the local
@@ -75,6 +76,8 @@ class Estimate:
     activations_checkpointed: int
     host_at_load: int
     host_at_export: int
+    device_at_load: int = 0
+    """QLoRA only: the whole 4-bit base (and adapters) on each device before sharding; else 0."""
 
     def device_total(self, checkpointing: bool) -> int:
         return (
@@ -84,6 +87,10 @@ class Estimate:
             + self.gather_buffers
             + (self.activations_checkpointed if checkpointing else self.activations)
         )
+
+    def device_peak(self, checkpointing: bool) -> int:
+        """The most a device holds: while training, or while loading a QLoRA base."""
+        return max(self.device_total(checkpointing), self.device_at_load)
 
 
 def planned_model(recipe: RecipeConfig) -> PreTrainedModel:
@@ -159,6 +166,7 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     frozen_bytes = (shape.parameters - shape.trainable) * param_bytes
     if nf4:
         frozen_bytes -= shape.quantizable * param_bytes - int(shape.quantizable * _NF4_BYTES)
+    device_load = frozen_bytes + trainable_bytes if nf4 else 0
     parameters = (frozen_bytes + trainable_bytes) // shards
     gradients, optimizer = trainable_bytes // shards, 2 * trainable_bytes // shards
     # What an all-gather moves per parameter: QLoRA gathers the packed 4-bit weights as they are stored.
@@ -176,14 +184,17 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     full_model = shape.parameters * param_bytes
     # Loading: every process reads the full model, unless rank 0 alone does (cpu_ram_efficient_loading).
     host_load = full_model if launch.cpu_ram_efficient_loading else full_model * processes_per_host
+    if nf4:  # each process streams the weight files (about 5 GB each) onto its device, quantizing them
+        host_load = min(full_model, 5 * 10**9) * processes_per_host
     if launch.offload and strategy != "ddp":
         host_load += (parameters + gradients + optimizer) * processes_per_host
         parameters = gradients = optimizer = 0
     # `finetune export` holds about one 5 GB output shard plus a tenth of it being converted.
     host_export = min(full_model, 5 * 10**9) * 12 // 10
     return Estimate(
-        strategy, parameters, gradients, optimizer, gather, activations, checkpointed, host_load, host_export
-    )
+        strategy, parameters, gradients, optimizer, gather, activations, checkpointed, host_load, host_export,
+        device_load,
+    )  # fmt: skip
 
 
 def _trainable(shape: ModelShape) -> str:
@@ -232,6 +243,11 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
         f"{' (rank 0 loads, cpu_ram_efficient_loading)' if launch.cpu_ram_efficient_loading else ''}, "
         f"{chosen.host_at_export / gib:.1f} {unit_name} at export"
     )
+    if chosen.device_at_load:
+        lines.append(
+            f"device memory at load: {chosen.device_at_load / gib:.1f} {unit_name} (the whole 4-bit base on every "
+            "device until it is sharded)"
+        )
     lines.append(f"verdict (* = this config): {verdict(shape, recipe, launch, gpu_memory)}")
     return "\n".join(lines)
 
@@ -240,9 +256,16 @@ def verdict(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory:
     """fits / fits with checkpointing or offload / does not fit, for the configured strategy."""
     checkpointing = launch.activation_checkpointing or recipe.train.activation_checkpointing
     chosen = estimate(shape, recipe, launch, launch.strategy)
-    need = chosen.device_total(checkpointing)
+    if chosen.device_at_load > gpu_memory:
+        return (
+            f"does not fit at load ({chosen.device_at_load / 2**30:.1f} GiB needed of {gpu_memory / 2**30:.1f}): "
+            "transformers loads the whole 4-bit base onto every device before accelerate shards it; use devices "
+            f"with at least {math.ceil(chosen.device_at_load / 2**30 * 1.1)} GiB"
+        )
+    need = chosen.device_peak(checkpointing)
     if need <= gpu_memory:
-        return f"fits ({need / 2**30:.1f} of {gpu_memory / 2**30:.1f} GiB)"
+        at_load = " at load" if chosen.device_at_load > chosen.device_total(checkpointing) else ""
+        return f"fits ({need / 2**30:.1f} of {gpu_memory / 2**30:.1f} GiB{at_load})"
     if not checkpointing and chosen.device_total(True) <= gpu_memory:
         return "fits with activation checkpointing (fsdp_activation_checkpointing: true)"
     if launch.strategy != "ddp" and not launch.offload:

@@ -13,18 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CHECKPOINT_SETTINGS, CONFIGS, Run, _run, launch, recipe_overrides
+from conftest import CHECKPOINT_SETTINGS, CONFIGS, DEMO_RECIPE, REPO, Run, _run, launch, recipe_overrides
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from finetune import demo
 from finetune.adapters import add_adapters, check_adapter_launch, quantization_config
-from finetune.checkpoint import ADAPTER_STATE, MARKER, check_resume_kind
+from finetune.checkpoint import ADAPTER_STATE, MARKER, MODEL_FILES, check_resume_kind, trained_base
 from finetune.config import PeftConfig, load_recipe
 from finetune.errors import FinetuneError
 from finetune.export import export_checkpoint
 from finetune.launch import read_launch
+from finetune.model import load_model, weights_fingerprint
 from finetune.plan import estimate, model_shape, planned_model
 
 pytestmark = pytest.mark.multiprocess
@@ -52,7 +53,7 @@ def test_checkpoints_hold_the_adapters_and_never_the_base(lora_run, one_process_
     assert saved and all(".lora_A." in name or ".lora_B." in name for name in saved), sorted(saved)[:5]
     # 7 adapted linear layers x 4 decoder layers x (A, B)
     assert len(saved) == 7 * 4 * 2
-    assert "trainable parameters in float32 (their gradients and AdamW state too)" in lora_run.log
+    assert "adapters, their gradients and AdamW state in float32, gradients reduced in float32" in lora_run.log
     full = one_process_run.output_dir / "checkpoints" / "step_8"
     assert folder_bytes(checkpoint) < folder_bytes(full) / 2
 
@@ -170,7 +171,11 @@ def per_rank(run: Run, key: str) -> list[int]:
 
 
 def test_qlora_shards_the_4bit_base_and_reproduces_its_logits(qlora_run, demo_assets):
-    assert "frozen in float32" in qlora_run.log  # the packed 4-bit weights, in their storage dtype
+    assert "its linear weights in 4 bits (nf4, packed in float32 storage" in qlora_run.log
+    # Counted as the weights they stand for: all of the demo model's linear layers but the head.
+    base = AutoModelForCausalLM.from_pretrained(demo_assets / "base")
+    linear = sum(m.weight.numel() for m in base.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    assert f"{sum(p.numel() for p in base.parameters()):,} frozen, {linear:,} of them in 4 bits" in qlora_run.log
     full_parameters = sum(
         p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(demo_assets / "base").parameters()
     )
@@ -214,29 +219,53 @@ def test_qlora_merges_onto_the_base_training_saw(qlora_run, tmp_path):
 
 
 def test_qlora_trains_with_bf16_storage_under_bf16_mixed_precision(tmp_path, demo_assets):
-    """The setting real QLoRA runs use: base in bf16 storage, FSDP2 bf16 mixed precision; sharded, finite."""
-    overrides = {**QLORA, "model.dtype": "bfloat16", "train.max_steps": 2, "checkpoint.save_every_steps": 0}
+    """The setting real QLoRA runs use (the 70B recipe's): base in bf16 storage, FSDP2 bf16 mixed precision,
+    activation checkpointing; sharded, finite."""
+    overrides = {
+        **QLORA, "model.dtype": "bfloat16", "train.max_steps": 2, "checkpoint.save_every_steps": 0,
+        "train.activation_checkpointing": "true",
+    }  # fmt: skip
     result = launch(
         "fsdp2_full_shard.yaml", recipe_overrides(demo_assets, tmp_path / "out", **overrides),
         launch_args=("--mixed_precision", "bf16"),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     run = Run(result, tmp_path / "out")
-    assert "frozen in bfloat16" in run.log and all(math.isfinite(loss) for loss in run.losses())
+    assert "frozen base in bfloat16, its linear weights in 4 bits (nf4, packed in bfloat16 storage" in run.log
+    assert "compute in bfloat16" in run.log and all(math.isfinite(loss) for loss in run.losses())
     assert per_rank(run, "parameters")[0] == pytest.approx(per_rank(run, "parameters")[1], rel=0.1)
     assert (run.output_dir / "final" / "adapter_model.safetensors").exists()
 
 
-def test_plan_counts_adapter_state_as_measured(lora_run):
-    """`finetune plan`'s parameter, gradient and AdamW figures for an adapter recipe, against the run's own report."""
-    recipe = load_recipe(lora_run.output_dir / "recipe.yaml")
+@pytest.mark.parametrize("run_name", ["lora_run", "qlora_run"])
+def test_plan_counts_adapter_state_as_measured(run_name, request):
+    """`finetune plan`'s parameter, gradient and AdamW figures for an adapter recipe (QLoRA: its 4-bit base),
+    against the run's own report."""
+    run: Run = request.getfixturevalue(run_name)
+    recipe = load_recipe(run.output_dir / "recipe.yaml")
     launch = dataclasses.replace(read_launch(CONFIGS / "fsdp2_full_shard.yaml", 2, 1), mixed_precision="no")
     shape = model_shape(planned_model(recipe))
     assert 0 < shape.trainable < shape.parameters / 10
     plan = estimate(shape, recipe, launch, "full_shard")
-    (measured,) = [m for m in lora_run.metrics() if "memory/rank0/parameters" in m]
+    (measured,) = [m for m in run.metrics() if "memory/rank0/parameters" in m]
     for key in ("parameters", "gradients", "optimizer_state"):
         assert getattr(plan, key) == pytest.approx(measured[f"memory/rank0/{key}"], rel=0.05), key
+
+
+def test_qlora_plan_counts_the_whole_4bit_base_at_load(qlora_run):
+    """What a process holds right after loading a QLoRA base, before sharding (transformers puts it all on the
+    process's device): the packed weights, their block scales and the rest of the model, as the plan says."""
+    recipe = load_recipe(qlora_run.output_dir / "recipe.yaml")
+    model = add_adapters(load_model(recipe.model, False, quantization=quantization_config(torch.float32)), recipe.peft)
+    loaded = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is not None:  # 8-bit block scales, and their own fp32 scales (double quantization)
+            loaded += state.absmax.numel() * state.absmax.element_size() + state.state2.absmax.numel() * 4
+    launch = read_launch(CONFIGS / "fsdp2_full_shard.yaml", 2, 1)
+    plan = estimate(model_shape(planned_model(recipe)), recipe, launch, "full_shard")
+    assert plan.device_at_load == pytest.approx(loaded, rel=0.05)
+    assert plan.device_at_load > 1.8 * plan.parameters  # the whole base, not the shard of it
 
 
 def test_bad_adapter_input_names_the_fix(demo_assets, tmp_path, monkeypatch):
@@ -271,6 +300,43 @@ def test_checkpoints_resume_only_their_own_kind(lora_run, one_process_run):
         check_resume_kind(lora_run.output_dir / "checkpoints" / "step_8", adapters=False)
     with pytest.raises(FinetuneError, match="is of a full fine-tuning run but the recipe has one"):
         check_resume_kind(one_process_run.output_dir / "checkpoints" / "step_8", adapters=True)
+
+
+def test_adapters_resume_and_merge_only_on_the_base_they_trained_on(lora_run, demo_assets, tmp_path):
+    """A base changed under its name (here: slightly fine-tuned and saved over) is refused by resume and by
+    --merge, before anything is written; the same base copied elsewhere is the same base."""
+    base, step_4 = demo_assets / "base", lora_run.output_dir / "checkpoints" / "step_4"
+    assert weights_fingerprint(shutil.copytree(base, tmp_path / "copy")) == weights_fingerprint(base)
+    assert trained_base(step_4) == weights_fingerprint(base)
+    changed = shutil.copytree(base, tmp_path / "changed")
+    model = AutoModelForCausalLM.from_pretrained(base)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.add_(1e-3)
+    model.save_pretrained(changed)
+    assert weights_fingerprint(changed) != weights_fingerprint(base)
+
+    output_dir = tmp_path / "resume"
+    resumed = shutil.copytree(step_4, output_dir / "checkpoints" / "step_4")
+    state = json.loads((resumed / "trainer_state.json").read_text())  # as if trained on the changed folder's name
+    (resumed / "trainer_state.json").write_text(json.dumps({**state, "model_name_or_path": str(changed)}))
+    overrides = recipe_overrides(
+        demo_assets, output_dir, **{**LORA, "checkpoint.resume": "auto", "model.name_or_path": changed}
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "finetune", "train", DEMO_RECIPE, *overrides],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "trained its adapters on another base model than" in result.stderr and "Traceback" not in result.stderr
+    assert sorted(p.name for p in output_dir.rglob("*") if p.parent == output_dir) == ["checkpoints"]
+
+    checkpoint = shutil.copytree(lora_run.output_dir / "checkpoints" / "step_8", tmp_path / "step_8")
+    adapter_config = checkpoint / MODEL_FILES / "adapter_config.json"
+    config = json.loads(adapter_config.read_text())
+    adapter_config.write_text(json.dumps({**config, "base_model_name_or_path": str(changed)}))
+    with pytest.raises(FinetuneError, match="is not the one the adapter trained on"):
+        export_checkpoint(checkpoint, tmp_path / "merged", merge=True)
+    assert not (tmp_path / "merged").exists()
 
 
 def open_weights_of_adapters(checkpoint: Path) -> dict[str, torch.Size]:

@@ -29,6 +29,7 @@ MODELS = {
     "recipes/mistral/mistral-7b.yaml": ("MistralDecoderLayer", 7_248_023_552),
     "recipes/llama/llama-3.1-8b-lora.yaml": ("LlamaDecoderLayer", 8_030_261_248),
     "recipes/qwen/qwen2.5-7b-lora.yaml": ("Qwen2DecoderLayer", 7_615_616_512),
+    "recipes/llama/llama-3.1-70b-qlora.yaml": ("LlamaDecoderLayer", 70_553_706_496),
 }
 
 
@@ -79,7 +80,9 @@ def test_recipe_builds_offline_and_its_launch_checks_out(path):
         wrap_classes=flag(launch_args, "--fsdp_transformer_layer_cls_to_wrap"), environ={},
     )  # fmt: skip
     assert wrap_classes(launch.wrap_classes, model) == [wrap_class]
-    report = check(recipe, launch, parse_memory("80GB"))
+    # The plan fits the GPUs the header names ("Hardware: ... x 80 GB ...").
+    gpu = re.search(r"^# Hardware:.*?(\d+)\+? GB", (REPO / path).read_text(), re.MULTILINE).group(1)
+    report = check(recipe, launch, parse_memory(f"{gpu}GB"))
     assert "memory per device: fits" in report, report
 
     # `make <target>` launches exactly what the header says.
