@@ -15,6 +15,9 @@ Comparisons (2 CPU processes over gloo unless stated):
   checkpoint_save  seconds the loop is blocked by a save: SHARDED vs FULL state dict
   scaling          step time and per-rank memory: 3 sizes x 1/2 processes x full shard/shard-grad-op/DDP
   data_pipeline    tokenize + mask + pack tokens/s (first and cached run) vs a batched datasets.map
+  lora_vs_full     LoRA vs full fine-tuning (FSDP2): step time, rank 0 memory, checkpoint bytes
+  trl_lora         target tokens/s of finetune LoRA vs TRL's SFTTrainer + PEFT (packing, padding-free), DDP
+  merge            `finetune export --merge` vs PEFT's merge_and_unload() + save_pretrained: time, peak RSS
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ def main() -> None:
         "quick": args.quick,
         "repeats": bench.repeats,
     }
-    for name in ("data_pipeline", "loop_overhead", "trainer", "checkpoint_save", "scaling", "export"):
+    sections = ("data_pipeline", "loop_overhead", "trainer", "checkpoint_save", "scaling", "export")
+    for name in (*sections, "lora_vs_full", "trl_lora", "merge"):
         print(f"bench: {name} ...", flush=True)
         began = time.perf_counter()
         results[name] = getattr(bench, name)()
@@ -350,6 +354,109 @@ class Bench:
             "time_ratio_vs_merge_weights": ours["seconds"] / median["accelerate_merge_weights"]["seconds"],
         }
 
+    # ---- adapters (LoRA) -----------------------------------------------------------------------
+
+    def lora_vs_full(self) -> dict:
+        """LoRA against full fine-tuning on the same model, data and FSDP2 launch: step time, rank 0's
+        measured memory, and the bytes of one checkpoint."""
+        size = self.train_size
+        save = {"checkpoint.save_every_steps": self.steps}
+        runs: dict[str, list[dict]] = {"full": [], "lora": []}
+        for repeat in range(self.repeats):
+            for name, overrides in (("full", save), ("lora", {**save, **LORA})):
+                metrics = self.finetune_run(f"{name}-{repeat}", size, "fsdp2_full_shard.yaml", **overrides)
+                checkpoint = self.work / "runs" / f"{name}-{repeat}" / "checkpoints" / f"step_{self.steps}"
+                runs[name].append({
+                    "step_seconds": _steady_median(metrics["step_seconds"]),
+                    "checkpoint_bytes": sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file()),
+                    **{key.split("/")[-1]: value for key, value in metrics["memory"].items()},
+                })  # fmt: skip
+        median = {
+            name: {key: statistics.median(r[key] for r in values) for key in values[0]}
+            for name, values in runs.items()
+        }
+        full, lora = median["full"], median["lora"]
+        return {
+            "size": size.name,
+            "lora": LORA,
+            "runs": runs,
+            "median": median,
+            "step_time_ratio": lora["step_seconds"] / full["step_seconds"],
+            "peak_ratio": lora["step_peak"] / full["step_peak"],
+            "checkpoint_bytes_ratio": lora["checkpoint_bytes"] / full["checkpoint_bytes"],
+        }
+
+    def trl_lora(self) -> dict:
+        """finetune LoRA against TRL's SFTTrainer + PEFT (packing, padding-free): target tokens/s, both DDP
+        on 2 processes, same model, data, targets and adapters."""
+        size = self.train_size
+        model = self.model(size)
+        results: dict[str, list[float]] = {"finetune_lora_ddp": [], "trl_sft_lora_ddp": []}
+        for repeat in range(self.repeats):
+            metrics = self.finetune_run(f"lora-ddp-{repeat}", size, "ddp.yaml", **LORA)
+            results["finetune_lora_ddp"].append(_steady_rate(metrics["target_tokens"], metrics["step_seconds"]))
+            self.curves.setdefault("finetune LoRA (DDP)", metrics["loss"])
+            out = self.work / "runs" / f"trl-{repeat}.json"
+            _run([
+                sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(_free_port()), str(REPO / "bench" / "trl_sft.py"), str(model), str(self.data), str(self.steps),
+                "8", "128", str(LORA["peft.r"]), str(out),
+            ])  # fmt: skip
+            trl = json.loads(out.read_text())
+            results["trl_sft_lora_ddp"].append(_steady_rate(trl["target_tokens"], trl["step_seconds"]))
+        ratio = _ratio(
+            "target_tokens_per_second", "finetune_lora_ddp", results["finetune_lora_ddp"], "trl_sft_lora_ddp",
+            results["trl_sft_lora_ddp"], target=1.1, size=size,
+        )  # fmt: skip
+        return ratio | {"trl_version": _version("trl")}
+
+    def merge(self) -> dict:
+        """`finetune export --merge` against PEFT's merge_and_unload() + save_pretrained on one adapter of
+        a model of several hundred million parameters: time and peak RSS."""
+        size = SIZES["tiny" if self.quick else "export"]
+        self.finetune_run(
+            "merge-source", size, "fsdp2_full_shard.yaml",
+            **{**LORA, "train.max_steps": 1, "checkpoint.save_every_steps": 1, "train.micro_batch_size": 1,
+               "output.export": "true"},
+        )  # fmt: skip
+        source = self.work / "runs" / "merge-source"
+        shard_size = "20MB" if self.quick else "200MB"
+        contenders = {
+            "finetune_export_merge": lambda out: [
+                sys.executable, "-m", "finetune", "export", str(source / "checkpoints" / "step_1"), str(out),
+                "--merge", "--max-shard-size", shard_size,
+            ],
+            "peft_merge_and_unload": lambda out: [
+                sys.executable, str(REPO / "bench" / "peft_merge.py"), str(self.model(size)), str(source / "final"),
+                str(out), shard_size,
+            ],
+        }  # fmt: skip
+        runs: dict[str, list[dict]] = {name: [] for name in contenders}
+        for repeat in range(self.repeats):
+            for name, command in contenders.items():
+                out = self.work / "exports" / f"{name}-{repeat}"
+                shutil.rmtree(out, ignore_errors=True)
+                seconds, peak = _timed_peak_rss(command(out))
+                runs[name].append({"seconds": seconds, "peak_rss_bytes": peak})
+        median = {
+            name: {key: statistics.median(r[key] for r in values) for key in values[0]}
+            for name, values in runs.items()
+        }
+        ours, theirs = median["finetune_export_merge"], median["peft_merge_and_unload"]
+        return {
+            "size": size.name,
+            "parameters": _parameters(self.model(size)),
+            "runs": runs,
+            "median": median,
+            "peak_ratio": ours["peak_rss_bytes"] / theirs["peak_rss_bytes"],
+            "target_peak_ratio": 0.5,
+            "time_ratio": ours["seconds"] / theirs["seconds"],
+        }
+
+
+# The adapters every LoRA benchmark trains: rank 16 on every linear layer, no dropout.
+LORA = {"peft.r": 16, "peft.alpha": 32, "peft.dropout": 0.0, "peft.target_modules": "[all-linear]"}
+
 
 # ---- measurement helpers ---------------------------------------------------------------------
 
@@ -420,6 +527,12 @@ def _parameters(model_dir: Path) -> int:
     return sum(p.numel() for p in meta_model(AutoConfig.from_pretrained(model_dir)).parameters())
 
 
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
 def _free_port() -> int:
     from finetune.distributed import free_port
 
@@ -465,6 +578,26 @@ def markdown(results: dict) -> str:
         f"| data pipeline, tokens/s ({data['samples']} chats) | first {data['rate']['first']:.0f}, cached "
         f"{data['rate']['cached']:.0f} | {data['rate']['plain_batched_map']:.0f} (batched map, no masking/packing) | "
         f"{data['ratio_first_vs_plain']:.2f} / {data['ratio_cached_vs_plain']:.2f} | |",
+    ]
+    lora, trl, merge = results["lora_vs_full"], results["trl_lora"], results["merge"]
+    full_m, lora_m = lora["median"]["full"], lora["median"]["lora"]
+    lines += [
+        f"| LoRA r={lora['lora']['peft.r']} vs full, step s ({lora['size']}, FSDP2) | {lora_m['step_seconds']:.3f} | "
+        f"{full_m['step_seconds']:.3f} (full) | {lora['step_time_ratio']:.2f} | |",
+        f"| LoRA vs full, rank 0 step peak MiB | {lora_m['step_peak'] / mib:.0f} | {full_m['step_peak'] / mib:.0f} "
+        f"(full) | {lora['peak_ratio']:.2f} | |",
+        f"| LoRA vs full, checkpoint MiB | {lora_m['checkpoint_bytes'] / mib:.2f} | "
+        f"{full_m['checkpoint_bytes'] / mib:.2f} (full) | {lora['checkpoint_bytes_ratio']:.3f} | |",
+        f"| LoRA target tokens/s vs TRL SFTTrainer {trl['trl_version']} + PEFT ({trl['size']}, DDP) | "
+        f"{trl['median']['finetune_lora_ddp']:.0f} | {trl['median']['trl_sft_lora_ddp']:.0f} | "
+        f"{trl['ratio']:.2f}x | >= {trl['target']}x |",
+        f"| merged export, s ({merge['size']}, {merge['parameters']:,} parameters) | "
+        f"{merge['median']['finetune_export_merge']['seconds']:.1f} | "
+        f"{merge['median']['peft_merge_and_unload']['seconds']:.1f} (merge_and_unload + save_pretrained) | "
+        f"{merge['time_ratio']:.2f} | |",
+        f"| merged export peak RSS, MiB | {merge['median']['finetune_export_merge']['peak_rss_bytes'] / mib:.0f} | "
+        f"{merge['median']['peft_merge_and_unload']['peak_rss_bytes'] / mib:.0f} | {merge['peak_ratio']:.2f} | "
+        f"<= {merge['target_peak_ratio']} |",
         "",
         "Scaling (global batch 16 rows x 128 tokens; rank 0 bytes measured in step 1):",
         "",

@@ -103,6 +103,26 @@ def test_resume_is_exact_on_two_processes_and_on_one(lora_run, demo_assets, tmp_
         assert max((adapter[k] - trained[k]).abs().max().item() for k in trained) <= tolerance
 
 
+@pytest.mark.parametrize(
+    ("config", "launch_args"),
+    [
+        ("fsdp2_shard_grad_op.yaml", ()),
+        # The offload preset with its activation checkpointing, loading on every rank (adapters refuse rank-0 loading).
+        ("fsdp2_offload.yaml", ("--fsdp_cpu_ram_efficient_loading", "false")),
+    ],
+)
+def test_lora_under_shard_grad_op_and_cpu_offload_trains_as_under_full_shard(
+    config, launch_args, lora_run, demo_assets, tmp_path
+):
+    result = launch(config, recipe_overrides(demo_assets, tmp_path / "out", **LORA), launch_args=launch_args)
+    assert result.returncode == 0, result.stderr[-4000:]
+    losses = {m["step"]: m["loss"] for m in Run(result, tmp_path / "out").metrics() if "loss" in m}
+    expected = {m["step"]: m["loss"] for m in lora_run.metrics() if "loss" in m}
+    assert sorted(losses) == sorted(expected) == list(range(1, 9))
+    for step, loss in losses.items():
+        assert loss == pytest.approx(expected[step], abs=1e-5), (step, loss, expected[step])
+
+
 @pytest.fixture(scope="module")
 def dora_run(tmp_path_factory, demo_assets) -> Run:
     """DoRA on every linear layer plus a fully trained lm_head, under DDP, exported merged at the end too."""

@@ -48,6 +48,11 @@ def test_make_bench_runs_every_comparison(tmp_path):
     rows = {r["strategy"]: r for r in results["scaling"]["rows"] if r["processes"] == 2}
     assert rows["full_shard"]["rank0_bytes"]["parameters"] < 0.6 * rows["ddp"]["rank0_bytes"]["parameters"]
     assert all(positive(v) for v in results["data_pipeline"]["rate"].values())
+    # Adapters: a LoRA checkpoint holds a fraction of a full one; the peers ran and were measured.
+    lora = results["lora_vs_full"]
+    assert lora["checkpoint_bytes_ratio"] < 0.5 and positive(lora["step_time_ratio"])
+    assert all(positive(v) for v in results["trl_lora"]["median"].values())
+    assert all(positive(v["peak_rss_bytes"]) for v in results["merge"]["median"].values())
 
 
 def test_bench_gpu_runs_on_cpu_in_quick_mode(tmp_path):

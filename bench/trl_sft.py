@@ -1,0 +1,96 @@
+"""The LoRA peer: TRL's `SFTTrainer` with PEFT adapters, DDP, on the same chat data.
+
+    torchrun --nproc_per_node 2 bench/trl_sft.py MODEL_DIR DATA.jsonl STEPS MICRO_BATCH MAX_LENGTH RANK OUT.json
+
+Set up as TRL's own documentation advises for speed: packing (best-fit decreasing) into rows of
+MAX_LENGTH tokens with padding-free batches. Samples are given already tokenized and masked exactly as
+finetune does (`finetune.data.encode_chats`: loss on assistant turns), as `input_ids` plus TRL's
+`completion_mask`, so both train on the same target tokens. LoRA on every linear layer with rank RANK,
+alpha 2 x RANK, no dropout: what the finetune side runs. Like `trainer_ddp.py`, it writes the wall time
+and the target tokens (positions with a label, counted over all processes) of every step.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+
+import datasets
+import torch
+import torch.distributed as dist
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import SFTConfig, SFTTrainer
+
+from finetune.data import encode_chats
+
+
+class StepClock(TrainerCallback):
+    """Wall time and global target tokens of each optimizer step."""
+
+    def __init__(self):
+        self.step_seconds: list[float] = []
+        self.target_tokens: list[int] = []
+        self.targets = 0
+        self.began = 0.0
+
+    def count(self, batch: dict) -> dict:
+        self.targets += int((batch["labels"][:, 1:] != -100).sum())  # the model shifts labels by one
+        return batch
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.began = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_seconds.append(time.perf_counter() - self.began)
+        count = torch.tensor([self.targets])
+        dist.all_reduce(count)
+        self.target_tokens.append(int(count))
+        self.targets = 0
+
+
+def encode(batch: dict, tokenizer) -> dict:
+    out: dict[str, list] = {"input_ids": [], "completion_mask": []}
+    for ids, trained in encode_chats(batch["messages"], tokenizer, completion_only=True):
+        out["input_ids"].append(ids)
+        out["completion_mask"].append([int(m) for m in trained])
+    return out
+
+
+def main(model_dir: str, data_path: str, steps: int, micro_batch: int, max_length: int, rank: int, out: str) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    raw = datasets.load_dataset("json", data_files=data_path, split="train")
+    train = raw.map(encode, fn_kwargs={"tokenizer": tokenizer}, batched=True, remove_columns=raw.column_names)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    arguments = SFTConfig(
+        output_dir=out + ".trl", per_device_train_batch_size=micro_batch, max_steps=steps, learning_rate=1e-4,
+        lr_scheduler_type="constant", max_grad_norm=1.0, use_cpu=True, ddp_backend="gloo", save_strategy="no",
+        report_to=[], logging_steps=steps, dataloader_num_workers=0, seed=0, max_length=max_length, packing=True,
+        padding_free=True, completion_only_loss=True,
+    )  # fmt: skip
+    lora = LoraConfig(
+        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
+    clock = StepClock()
+    trainer = SFTTrainer(
+        model=model, args=arguments, train_dataset=train, processing_class=tokenizer, peft_config=lora,
+        callbacks=[clock],
+    )  # fmt: skip
+    collate = trainer.data_collator
+    trainer.data_collator = lambda features: clock.count(collate(features))
+    trainer.train()
+    if dist.get_rank() == 0:
+        with open(out, "w") as file:
+            json.dump({"step_seconds": clock.step_seconds, "target_tokens": clock.target_tokens}, file)
+    # As in trainer_ddp.py: free DDP with every rank in step before the process group goes.
+    del trainer, model
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    model_dir, data_path, steps, micro_batch, max_length, rank, out = sys.argv[1:8]
+    main(model_dir, data_path, int(steps), int(micro_batch), int(max_length), int(rank), out)
