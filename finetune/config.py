@@ -81,6 +81,16 @@ class DataConfig:
     completion_only_loss: bool = True
     """Train on assistant/completion tokens only; False trains on prompts too. Ignored for text."""
 
+    chat_template: str | None = None
+    """Chat data: a Jinja chat template (a .jinja file, or the template itself) used instead of the
+    tokenizer's, e.g. for a base model that has none. It is saved with checkpoints and exports, so
+    inference formats prompts the way training did."""
+
+    multi_turn: Literal["full", "per_turn", "last"] = "full"
+    """Chat data: train every assistant reply of a conversation in one sample (full), only its last
+    reply (last), or, for conversations whose chat template makes replies impossible to locate in one
+    rendering, one sample per reply with its prompt as rendered for generation (per_turn, counted in the log)."""
+
 
 @dataclass(kw_only=True)
 class OptimConfig:

@@ -150,7 +150,7 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
     )
     set_seed(recipe.train.seed)
 
-    tokenizer = load_tokenizer(recipe.model)
+    tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
     # Under rank-0 loading (cpu_ram_efficient_loading) only rank 0 reads the weights; the others
     # start on the meta device and receive them from rank 0 while the model is sharded.
     started_on_meta = rank_zero_loading() and not accelerator.is_main_process

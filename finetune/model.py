@@ -90,8 +90,9 @@ def check_max_length(cfg: ModelConfig, max_length: int) -> None:
         )
 
 
-def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
-    """The model's tokenizer, with a pad token (the EOS token when the tokenizer has none)."""
+def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, with a pad token (the EOS token when the tokenizer has none) and the
+    recipe's chat template in place of its own when the recipe gives one (`data.chat_template`)."""
     check_model_path(cfg.name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
@@ -104,6 +105,10 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
         raise FinetuneError(f"the tokenizer of {cfg.name_or_path!r} is not a fast tokenizer; install `tokenizers`")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if chat_template is not None:
+        from finetune.data.chat import read_chat_template
+
+        tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer
 
 

@@ -217,10 +217,14 @@ def test_chat_data_needs_a_chat_template(tokenizer):
 
 
 def test_data_without_anything_to_train_says_so(tokenizer):
-    cfg = DataConfig(train_path="x", max_length=64)
-    data = datasets.Dataset.from_list([{"messages": chat(("user", "q"))}] * 3)
+    cfg = DataConfig(train_path="x", max_length=8)
+    long_question = chat(("user", " ".join(["7"] * 20)), ("assistant", "7"))  # the reply is cut off
+    data = datasets.Dataset.from_list([{"messages": long_question}] * 3)
     with pytest.raises(FinetuneError, match="none of the 3 samples has a token to train on \\(no assistant turn"):
         prepare_split(data, tokenizer, cfg, seed=0)
+    no_reply = datasets.Dataset.from_list([{"messages": long_question}, {"messages": chat(("user", "q"))}])
+    with pytest.raises(FinetuneError, match="sample 1 has no assistant message to train on; remove it"):
+        prepare_split(no_reply, tokenizer, cfg, seed=0)
 
 
 def test_local_sources_are_checked_before_loading(tmp_path):

@@ -45,12 +45,17 @@ class DataStats:
     num_tokens: int
     num_target_tokens: int
     num_rows: int
+    num_expanded: int = 0
+    """Samples that are one reply of a conversation expanded per turn (data.multi_turn=per_turn)."""
 
     def describe(self, split: str) -> str:
+        expanded = f", {self.num_expanded:,} of them per-turn samples of expanded conversations" * bool(
+            self.num_expanded
+        )
         return (
-            f"{split}: {self.num_samples:,} samples, {self.num_tokens:,} tokens ({self.num_target_tokens:,} trained), "
-            f"{self.num_truncated:,} truncated, {self.num_dropped:,} dropped with no target token, "
-            f"{self.num_rows:,} rows"
+            f"{split}: {self.num_samples:,} samples{expanded}, {self.num_tokens:,} tokens "
+            f"({self.num_target_tokens:,} trained), {self.num_truncated:,} truncated, {self.num_dropped:,} dropped "
+            f"with no target token, {self.num_rows:,} rows"
         )
 
 
@@ -78,6 +83,7 @@ def prepare_split(
         num_tokens=int(lengths[num_targets > 0].sum()),
         num_target_tokens=int(num_targets.sum()),
         num_rows=len(rows),
+        num_expanded=int(pyarrow.compute.sum(table["expanded"]).as_py() or 0),
     )
     return rows, stats
 

@@ -6,11 +6,26 @@ dropped), so a malformed sample is refused with its index instead of being train
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
 from finetune.errors import FinetuneError, first_line
+
+MultiTurn = Literal["full", "per_turn", "last"]
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """One training sample of a conversation: its rendered text and the character spans trained."""
+
+    text: str
+    spans: list[tuple[int, int]]
+    expanded: bool = False
+    """One of the per-turn samples of a conversation whose replies could not be located together."""
 
 
 def encode_chats(
@@ -18,27 +33,129 @@ def encode_chats(
     tokenizer: PreTrainedTokenizerBase,
     completion_only: bool,
     indices: list[int] | None = None,
+    multi_turn: MultiTurn = "full",
 ) -> list[tuple[list[int], list[bool]]]:
-    """Render each conversation with the chat template; mark the assistant turns (with their end-of-turn) as trained.
+    """Token ids of each rendered conversation, with its assistant replies (and their end-of-turn) marked trained."""
+    return [(ids, trained) for ids, trained, _ in encode_rendered(
+        render_chats(conversations, tokenizer, completion_only, indices, multi_turn), tokenizer
+    )]  # fmt: skip
 
-    Assistant spans are found in characters, by rendering each conversation prefix, and mapped to
-    tokens through the fast tokenizer's offsets, so merges across turn boundaries cannot shift them.
-    The texts are tokenized in one call: the fast tokenizer is entered once per batch, not per sample.
-    `indices` are the samples' positions in the dataset, for error messages.
+
+def encode_rendered(
+    samples: list[RenderedChat], tokenizer: PreTrainedTokenizerBase
+) -> list[tuple[list[int], list[bool], bool]]:
+    """Tokenize the rendered texts in one call (the fast tokenizer is entered once per batch) and map the
+    trained character spans to tokens through its offsets, so merges across turn boundaries cannot shift them."""
+    encodings = tokenizer([s.text for s in samples], add_special_tokens=False, return_offsets_mapping=True)
+    return [
+        (ids, [any(lo <= start < hi for lo, hi in sample.spans) for start, _ in offsets], sample.expanded)
+        for sample, ids, offsets in zip(samples, encodings["input_ids"], encodings["offset_mapping"], strict=True)
+    ]
+
+
+def render_chats(
+    conversations: list[list[dict[str, Any]]],
+    tokenizer: PreTrainedTokenizerBase,
+    completion_only: bool,
+    indices: list[int] | None = None,
+    multi_turn: MultiTurn = "full",
+) -> list[RenderedChat]:
+    """Render each conversation with the chat template and locate its assistant replies in the text.
+
+    Replies are located without assuming that a conversation's prefixes render like its start (many
+    templates add dates, move or drop the system message, strip earlier reasoning, or end the text
+    differently): the conversation is rendered again with a unique placeholder in place of each reply,
+    the template text between placeholders is found in the real rendering, and what lies between is
+    the reply as the template rendered it. A reply's span starts after the assistant header (what the
+    template writes for a generation prompt) and runs through the turn's end marker, so what the
+    template generates around the content (a think block, tool calls) is trained with it.
+    `multi_turn`: "full" trains every reply of a conversation in one sample, "last" only its last
+    reply, "per_turn" makes one sample per reply (each prompt as rendered for generation) of the
+    conversations whose replies cannot be located together. `indices` name samples in errors.
     """
     indices = indices if indices is not None else list(range(len(conversations)))
-    conversations = [chat_messages(messages, index) for messages, index in zip(conversations, indices, strict=True)]
-    texts = [_render(tokenizer, messages, index) for messages, index in zip(conversations, indices, strict=True)]
-    encodings = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=completion_only)
-    if not completion_only:
-        return [(ids, [True] * len(ids)) for ids in encodings["input_ids"]]
-    encoded = []
-    for messages, text, ids, offsets, index in zip(
-        conversations, texts, encodings["input_ids"], encodings["offset_mapping"], indices, strict=True
-    ):
-        spans = _assistant_spans(messages, text, tokenizer, index)
-        encoded.append((ids, [any(lo <= start < hi for lo, hi in spans) for start, _ in offsets]))
-    return encoded
+    shape = template_shape(tokenizer)
+    rendered = []
+    knows_reasoning = "reasoning_content" in (tokenizer.chat_template or "")
+    for messages, index in zip(conversations, indices, strict=True):
+        messages = chat_messages(messages, index)
+        if knows_reasoning:
+            messages = [_reasoning_apart(message) for message in messages]
+        text = _render(tokenizer, messages, index)
+        if not completion_only:
+            rendered.append(RenderedChat(text, [(0, len(text))]))
+            continue
+        replies = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+        if not replies:
+            raise FinetuneError(
+                f"sample {index} has no assistant message to train on; remove it, or set "
+                "data.completion_only_loss=false to train on all of its text"
+            )
+        trained = replies[-1:] if multi_turn == "last" else replies
+        spans = _reply_spans(tokenizer, shape, messages, trained, text, index)
+        if spans is not None:
+            rendered.append(RenderedChat(text, spans))
+        elif multi_turn == "per_turn":
+            rendered.extend(_per_turn(tokenizer, shape, messages, replies, index))
+        else:
+            raise FinetuneError(
+                f"sample {index}: the chat template renders this conversation so that its assistant replies cannot "
+                "be located in it; set data.multi_turn=per_turn (one sample per reply, each prompt as rendered for "
+                "generation) or data.multi_turn=last (its last reply only)"
+            )
+    return rendered
+
+
+def _reasoning_apart(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message with a leading <think> block in its content, as the same message with the block
+    in `reasoning_content`, for templates that take that field: they render both alike, and with the
+    reasoning apart, the content alone can be replaced by a placeholder to locate the reply."""
+    content = message.get("content")
+    if message["role"] != "assistant" or "reasoning_content" in message or not isinstance(content, str):
+        return message
+    if not content.lstrip().startswith("<think>") or "</think>" not in content:
+        return message
+    reasoning, _, answer = content.partition("</think>")
+    return {
+        **message,
+        "content": answer.lstrip("\n"),
+        "reasoning_content": reasoning.split("<think>", 1)[1].strip("\n"),
+    }
+
+
+def _per_turn(
+    tokenizer: PreTrainedTokenizerBase, shape: TemplateShape, messages: list[dict[str, Any]], replies: list[int],
+    index: int,
+) -> list[RenderedChat]:  # fmt: skip
+    """One sample per assistant reply: the conversation up to it, that reply trained."""
+    samples = []
+    for i in replies:
+        text = _render(tokenizer, messages[: i + 1], index)
+        spans = _reply_spans(tokenizer, shape, messages[: i + 1], [i], text, index)
+        if spans is None:
+            raise FinetuneError(
+                f"sample {index}: the chat template renders even the conversation up to message {i} so that its "
+                "last reply cannot be located; set data.completion_only_loss=false"
+            )
+        samples.append(RenderedChat(text, spans, expanded=True))
+    return samples
+
+
+def read_chat_template(value: str) -> str:
+    """`data.chat_template`: the text of a template file (a value ending in .jinja or .j2, or naming a
+    file), or the template itself; refused if Jinja cannot compile it."""
+    path = Path(value).expanduser()
+    if path.suffix in (".jinja", ".j2") or ("{" not in value and path.is_file()):
+        if not path.is_file():
+            raise FinetuneError(f"data.chat_template {value} does not exist; point it at a Jinja template file")
+        value = path.read_text()
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(value)
+    except Exception as exc:  # jinja2.TemplateSyntaxError, with the line
+        raise FinetuneError(f"data.chat_template is not a valid Jinja template ({first_line(exc)}); fix it") from None
+    return value
 
 
 def chat_messages(messages: Any, index: int) -> list[dict[str, Any]]:
@@ -104,21 +221,105 @@ def describe(value: Any) -> str:
     return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
 
 
-def _assistant_spans(
-    messages: list[dict[str, Any]], text: str, tokenizer: PreTrainedTokenizerBase, index: int
-) -> list[tuple[int, int]]:
-    """Character spans of the assistant turns in `text`, the rendered conversation."""
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = _render(tokenizer, messages[:i], index, add_generation_prompt=True) if i else ""
-        # Through the last message is the whole conversation: one render fewer per sample.
-        through = text if i == len(messages) - 1 else _render(tokenizer, messages[: i + 1], index)
-        if not (text.startswith(before) and text.startswith(through)):
-            raise FinetuneError(
-                "this tokenizer's chat template renders a conversation differently from its prefixes, so assistant "
-                "tokens cannot be located; set data.completion_only_loss=false"
-            )
-        spans.append((len(before), len(through)))
+@dataclass(frozen=True)
+class TemplateShape:
+    """What a chat template writes around replies, learned by rendering placeholder conversations."""
+
+    reply_prefix: str
+    """After a user message's content, up to where the assistant's reply begins: the user turn's end
+    and the assistant header (the generation prompt), e.g. "<|im_end|>\\n<|im_start|>assistant\\n"."""
+    generation_prompt: str
+    """What add_generation_prompt appends (may be empty, as for Mistral)."""
+    end_marker: str
+    """What closes an assistant turn, through its first special token (e.g. "<|im_end|>"), or "" if the
+    template closes assistant turns with nothing it closes user turns with."""
+
+
+_SENTINEL = "\ue000{}\ue001"  # private-use characters: in no template, untouched by trim
+
+
+def template_shape(tokenizer: PreTrainedTokenizerBase) -> TemplateShape:
+    """The reply prefix, generation prompt and end marker of the tokenizer's template (cached per template)."""
+    specials = tuple(sorted(set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab()), key=len))
+    return _template_shape(tokenizer.chat_template, specials, _Renderer(tokenizer))
+
+
+class _Renderer:
+    """Hashable by template, so that the shape is learned once per template, not per batch."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer
+
+    def __hash__(self) -> int:
+        return hash(self.tokenizer.chat_template)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Renderer) and other.tokenizer.chat_template == self.tokenizer.chat_template
+
+    def __call__(self, messages: list[dict[str, str]], generation: bool = False) -> str | None:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+        except Exception:  # a template that refuses the probe conversation: that part of the shape stays empty
+            return None
+
+
+@functools.lru_cache(maxsize=8)
+def _template_shape(template: str, specials: tuple[str, ...], render: _Renderer) -> TemplateShape:
+    user, reply, user2 = (_SENTINEL.format(f"probe{i}") for i in range(3))
+    prompt = render([{"role": "user", "content": user}], generation=True) or ""
+    bare = render([{"role": "user", "content": user}]) or ""
+    generation_prompt = prompt[len(bare) :] if prompt.startswith(bare) else ""
+    reply_prefix = prompt.split(user, 1)[1] if user in prompt else ""
+    turns = [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+    # What follows a reply: before the next user turn, or (templates that render earlier replies
+    # differently) at the end of the text.
+    closing = render([*turns, {"role": "user", "content": user2}]) or ""
+    if reply not in closing or user2 not in closing:
+        closing = (render(turns) or "") + user2
+    after_reply = closing.split(reply, 1)[1].split(user2, 1)[0] if reply in closing else ""
+    # The end marker: through the first special token after the reply, if the template writes one there.
+    found = [(after_reply.find(token), token) for token in specials if token and token in after_reply]
+    position, token = min(found, default=(-1, ""), key=lambda pair: (pair[0], -len(pair[1])))
+    end_marker = after_reply[: position + len(token)] if position >= 0 else ""
+    return TemplateShape(reply_prefix, generation_prompt, end_marker)
+
+
+def _reply_spans(
+    tokenizer: PreTrainedTokenizerBase, shape: TemplateShape, messages: list[dict[str, Any]], trained: list[int],
+    text: str, index: int,
+) -> list[tuple[int, int]] | None:  # fmt: skip
+    """Character spans in `text` of the replies `trained` (message positions), or None when the
+    template's rendering does not let them be located (see `render_chats`)."""
+    placeholders = [dict(m) for m in messages]
+    for k, i in enumerate(trained):
+        placeholders[i]["content"] = _SENTINEL.format(k)
+    marked = _render(tokenizer, placeholders, index)
+    segments, rest = [], marked
+    for k in range(len(trained)):
+        before, found, rest = rest.partition(_SENTINEL.format(k))
+        if not found or _SENTINEL.format(k) in rest:
+            return None  # the template dropped or repeated a reply
+        segments.append(before)
+    segments.append(rest)
+    if not (text.startswith(segments[0]) and text.endswith(segments[-1])):
+        return None
+    spans, position = [], len(segments[0])
+    end_of_text = len(text) - len(segments[-1])
+    for k in range(len(trained)):
+        following = segments[k + 1]
+        content_end = end_of_text if k == len(trained) - 1 else text.find(following, position)
+        if content_end < position or content_end > end_of_text:
+            return None
+        start = position - len(segments[k]) + _reply_offset(segments[k], shape)
+        marker = following.find(shape.end_marker) if shape.end_marker else -1
+        spans.append((start, content_end + (marker + len(shape.end_marker) if marker >= 0 else 0)))
+        position = content_end + len(following)
     return spans
+
+
+def _reply_offset(segment: str, shape: TemplateShape) -> int:
+    """Where in the template text before a reply the reply begins: after the last assistant header."""
+    for header in (shape.reply_prefix, shape.generation_prompt):
+        if header and header in segment:
+            return segment.rindex(header) + len(header)
+    return len(segment)

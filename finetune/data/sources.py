@@ -12,6 +12,7 @@ from pathlib import Path
 import datasets
 
 from finetune.config import DataConfig
+from finetune.data.chat import read_chat_template
 from finetune.errors import FinetuneError, first_line
 
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -35,6 +36,8 @@ def check_sources(cfg: DataConfig) -> None:
                 f"data.{key}_split={split!r} has no effect on local data {path}, which is one split; point "
                 f"data.{key}_path at that split's file and leave data.{key}_split out"
             )
+    if cfg.chat_template is not None:
+        read_chat_template(cfg.chat_template)  # exists and compiles
 
 
 def local_files(path: Path) -> tuple[str, list[str]]:

@@ -12,7 +12,7 @@ import datasets
 from transformers import PreTrainedTokenizerBase
 
 from finetune.config import DataConfig
-from finetune.data.chat import describe, encode_chats
+from finetune.data.chat import MultiTurn, describe, encode_rendered, render_chats
 from finetune.errors import FinetuneError
 
 IGNORE = -100
@@ -64,16 +64,20 @@ def _tokenize_batch(
     fmt: str,
     max_length: int,
     completion_only: bool,
+    multi_turn: MultiTurn = "full",
 ) -> dict[str, list]:
     if fmt == "chat":
-        encoded = encode_chats(batch["messages"], tokenizer, completion_only, indices)
+        rendered = render_chats(batch["messages"], tokenizer, completion_only, indices, multi_turn)
+        encoded = encode_rendered(rendered, tokenizer)
     elif fmt == "prompt_completion":
         prompts, completions = _texts(batch, "prompt", indices), _texts(batch, "completion", indices)
-        encoded = encode_prompt_completions(prompts, completions, tokenizer, completion_only)
+        pairs = encode_prompt_completions(prompts, completions, tokenizer, completion_only)
+        encoded = [(*pair, False) for pair in pairs]
     else:
-        encoded = encode_texts(_texts(batch, "text", indices), tokenizer)
-    out: dict[str, list] = {"input_ids": [], "target_ids": [], "truncated": [], "num_targets": []}
-    for ids, trained in encoded:
+        encoded = [(*pair, False) for pair in encode_texts(_texts(batch, "text", indices), tokenizer)]
+    out: dict[str, list] = {"input_ids": [], "target_ids": [], "truncated": [], "num_targets": [], "expanded": []}
+    for ids, trained, expanded in encoded:
+        out["expanded"].append(expanded)
         out["truncated"].append(len(ids) > max_length)
         ids, trained = ids[:max_length], trained[:max_length]
         # target_ids[i] is the token after input_ids[i] when that token is trained; the last has no successor.
@@ -100,6 +104,7 @@ def tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg:
         fmt=fmt,
         max_length=cfg.max_length,
         completion_only=cfg.completion_only_loss and fmt != "text",
+        multi_turn=cfg.multi_turn,
     )
     return dataset.map(
         encode, batched=True, with_indices=True, remove_columns=dataset.column_names, desc=f"tokenizing ({fmt})"

@@ -1,0 +1,268 @@
+"""Assistant-only loss on chat templates that rewrite the conversation.
+
+Each template here is a small one written for the test that reproduces one behaviour of a popular
+family's real template (dates in a system header, default system prompts, BOS in the template,
+trimmed content, a system message moved or dropped, reasoning stripped or added, an end-of-text
+token after the last turn, refused roles). For each: the trained tokens are exactly the assistant
+replies as the rendered conversation contains them, with the turn's end marker, and the ids are the
+rendered text tokenized once.
+"""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+from transformers import AutoTokenizer
+
+from finetune.config import DataConfig
+from finetune.data import IGNORE, encode_chats, prepare_split
+from finetune.data.chat import render_chats
+from finetune.errors import FinetuneError
+
+LLAMA_3_1 = r"""{{- bos_token }}
+{%- if messages[0].role == 'system' %}{% set system = messages[0].content | trim %}{% set messages = messages[1:] %}
+{%- else %}{% set system = '' %}{% endif %}
+{{- '<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n'
+    + system + '<|eot_id|>' }}
+{%- for m in messages %}
+{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\n\n' + m.content | trim + '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"""
+
+LLAMA_3_2 = LLAMA_3_1.replace("26 Jul 2024", "' + strftime_now('%d %b %Y') + '")
+
+QWEN_2_5 = r"""{%- if messages[0].role != 'system' %}
+{{- '<|im_start|>system\nYou are Qwen, a helpful assistant.<|im_end|>\n' }}{% endif %}
+{%- for m in messages %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{% endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{% endif %}"""
+
+SMOLLM_2 = QWEN_2_5.replace("You are Qwen, a helpful assistant.", "You are SmolLM, a small assistant.")
+
+GEMMA_3 = r"""{{- bos_token }}
+{%- if messages[0].role == 'system' %}{% set first = messages[0].content | trim + '\n\n' %}
+{%- set messages = messages[1:] %}{% else %}{% set first = '' %}{% endif %}
+{%- for m in messages %}
+{%- set role = 'model' if m.role == 'assistant' else m.role %}
+{{- '<start_of_turn>' + role + '\n' + (first if loop.first else '') + m.content | trim + '<end_of_turn>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{% endif %}"""
+
+MISTRAL_V0_3 = r"""{%- if messages[0].role == 'system' %}{% set system = messages[0].content %}
+{%- set turns = messages[1:] %}{% else %}{% set turns = messages %}{% endif %}
+{{- bos_token }}
+{%- for m in turns %}
+{%- if m.role == 'user' %}
+{%- if loop.last and system is defined %}{{- '[INST] ' + system + '\n\n' + m.content + '[/INST]' }}
+{%- else %}{{- '[INST] ' + m.content + '[/INST]' }}{% endif %}
+{%- else %}{{- ' ' + m.content | trim + eos_token }}{% endif %}
+{%- endfor %}"""
+
+QWEN_3 = r"""{%- set ns = namespace(last_user=-1) %}
+{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' %}
+{%- set content = m.content %}
+{%- set reasoning = m.reasoning_content if m.reasoning_content is defined else '' %}
+{%- if '</think>' in content %}
+{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}
+{%- set content = content.split('</think>')[-1].lstrip('\n') %}
+{%- endif %}
+{%- if loop.index0 > ns.last_user %}
+{{- '<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + content + '<|im_end|>\n' }}
+{%- else %}{{- '<|im_start|>assistant\n' + content + '<|im_end|>\n' }}{% endif %}
+{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{% endif %}"""
+
+DEEPSEEK_R1_DISTILL = r"""{{- bos_token }}
+{%- for m in messages %}
+{%- if m.role == 'user' %}{{- '<|User|>' + m.content }}
+{%- elif m.role == 'assistant' %}{{- '<|Assistant|>' + m.content.split('</think>')[-1] + eos_token }}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|Assistant|>' }}{% endif %}"""
+
+PHI_3 = r"""{%- for m in messages %}{{- '<|' + m.role + '|>\n' + m.content + '<|end|>\n' }}{% endfor %}
+{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{% else %}{{- eos_token }}{% endif %}"""
+
+GEMMA_2 = r"""{%- if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}
+{{- bos_token }}
+{%- for m in messages %}
+{%- if (m.role == 'user') != (loop.index0 % 2 == 0) %}
+{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}
+{%- set role = 'model' if m.role == 'assistant' else m.role %}
+{{- '<start_of_turn>' + role + '\n' + m.content | trim + '<end_of_turn>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{% endif %}"""
+
+# A template that keeps only the last reply's text (earlier ones summarized): no single rendering holds them all.
+LAST_REPLY_ONLY = r"""{%- for m in messages %}
+{%- if m.role == 'assistant' and not loop.last %}{{- '<|assistant|>\n(earlier reply)<|end|>\n' }}
+{%- else %}{{- '<|' + m.role + '|>\n' + m.content + '<|end|>\n' }}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{% endif %}"""
+
+# template, bos, eos, pad, other special tokens
+FAMILIES = {
+    "llama-3.1": (LLAMA_3_1, "<|begin_of_text|>", "<|eot_id|>", None, ["<|start_header_id|>", "<|end_header_id|>"]),
+    "llama-3.2": (LLAMA_3_2, "<|begin_of_text|>", "<|eot_id|>", None, ["<|start_header_id|>", "<|end_header_id|>"]),
+    "qwen-2.5": (QWEN_2_5, None, "<|im_end|>", "<|endoftext|>", ["<|im_start|>"]),
+    "smollm-2": (SMOLLM_2, None, "<|im_end|>", "<|im_end|>", ["<|im_start|>"]),
+    "gemma-3": (GEMMA_3, "<bos>", "<eos>", "<pad>", ["<start_of_turn>", "<end_of_turn>"]),
+    "mistral-v0.3": (MISTRAL_V0_3, "<s>", "</s>", None, ["[INST]", "[/INST]"]),
+    "qwen-3": (QWEN_3, None, "<|im_end|>", "<|endoftext|>", ["<|im_start|>", "<think>", "</think>"]),
+    "deepseek-r1-distill": (DEEPSEEK_R1_DISTILL, "<bos>", "<eos>", None, ["<|User|>", "<|Assistant|>"]),
+    "phi-3": (PHI_3, None, "<|endoftext|>", "<|endoftext|>", ["<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]),
+    "gemma-2": (GEMMA_2, "<bos>", "<eos>", "<pad>", ["<start_of_turn>", "<end_of_turn>"]),
+    "last-reply-only": (LAST_REPLY_ONLY, None, "<|endoftext|>", None, ["<|user|>", "<|assistant|>", "<|end|>"]),
+}
+
+
+@pytest.fixture(scope="module")
+def base_tokenizer(demo_assets):
+    return AutoTokenizer.from_pretrained(demo_assets / "base")
+
+
+def family_tokenizer(base_tokenizer, family: str):
+    """The demo's byte-level tokenizer, with the family's special tokens and template."""
+    template, bos, eos, pad, others = FAMILIES[family]
+    tokenizer = AutoTokenizer.from_pretrained(base_tokenizer.name_or_path)
+    specials = {"eos_token": eos, "additional_special_tokens": others}
+    if bos:
+        specials["bos_token"] = bos
+    tokenizer.add_special_tokens(specials | ({"pad_token": pad} if pad else {}))
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def turns(*pairs: tuple[str, str]) -> list[dict]:
+    return [{"role": role, "content": content} for role, content in pairs]
+
+
+def trained_and_ids(tokenizer, messages: list[dict], **options) -> tuple[str, list[int], str]:
+    [(ids, trained)] = encode_chats([messages], tokenizer, True, **options)
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]  # the rendered text, tokenized once
+    return tokenizer.decode([i for i, t in zip(ids, trained, strict=True) if t]), ids, text
+
+
+SYSTEM_MULTI_TURN = turns(
+    ("system", "  Be brief. "), ("user", "reverse: 1 2"), ("assistant", " 2 1 "), ("user", "and 3 4"),
+    ("assistant", "4 3"),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("family", "expected"),
+    [
+        ("llama-3.1", "2 1<|eot_id|>4 3<|eot_id|>"),  # trimmed, after a dated system header
+        ("llama-3.2", "2 1<|eot_id|>4 3<|eot_id|>"),  # today's date in the header
+        ("qwen-2.5", " 2 1 <|im_end|>4 3<|im_end|>"),
+        ("gemma-3", "2 1<end_of_turn>4 3<end_of_turn>"),  # system merged into the first user turn
+        ("mistral-v0.3", " 2 1</s> 4 3</s>"),  # system dropped: the conversation ends with a reply
+        ("phi-3", " 2 1 <|end|>4 3<|end|>"),  # <|endoftext|> after the last turn is not the reply's
+    ],
+)
+def test_replies_are_trained_with_their_end_marker_and_nothing_else(base_tokenizer, family, expected):
+    tokenizer = family_tokenizer(base_tokenizer, family)
+    trained, ids, text = trained_and_ids(tokenizer, SYSTEM_MULTI_TURN)
+    assert trained == expected
+    assert "Be brief." not in trained and "reverse" not in trained
+    if tokenizer.bos_token and text.startswith(tokenizer.bos_token):
+        assert ids.count(tokenizer.bos_token_id) == 1  # the template's BOS only: none added on top
+
+
+def test_default_system_prompts_and_a_pad_equal_to_eos(base_tokenizer):
+    """SmolLM2: a system prompt the data never gave; <|im_end|> is both pad and end of turn: it is trained."""
+    tokenizer = family_tokenizer(base_tokenizer, "smollm-2")
+    trained, ids, text = trained_and_ids(tokenizer, turns(("user", "hi"), ("assistant", "hello")))
+    assert "You are SmolLM" in text and trained == "hello<|im_end|>"
+    cfg = DataConfig(train_path="x", max_length=256, packing=False)
+    data = datasets.Dataset.from_list([{"messages": turns(("user", "hi"), ("assistant", "hello"))}] * 2)
+    rows, _ = prepare_split(data, tokenizer, cfg, seed=0)
+    targets = [t for t in rows[0]["target_ids"] if t != IGNORE]
+    assert targets[-1] == tokenizer.pad_token_id == tokenizer.eos_token_id
+
+
+def test_reasoning_is_rendered_as_the_template_wants_and_trained_in_the_last_reply(base_tokenizer):
+    """Qwen3: reasoning dropped from earlier replies, a think block (empty if none was given) in the last."""
+    tokenizer = family_tokenizer(base_tokenizer, "qwen-3")
+    messages = turns(
+        ("user", "reverse: 1 2"), ("assistant", "<think>swap them</think>2 1"), ("user", "and 3 4"),
+        ("assistant", "<think>\nswap again\n</think>\n\n4 3"),
+    )  # fmt: skip
+    trained, _, text = trained_and_ids(tokenizer, messages)
+    assert "swap them" not in text
+    assert trained == "2 1<|im_end|><think>\nswap again\n</think>\n\n4 3<|im_end|>"
+    given = [*messages[:3], {"role": "assistant", "content": "4 3", "reasoning_content": "swap again"}]
+    assert trained_and_ids(tokenizer, given)[0] == trained  # the same from a reasoning_content field
+    plain = trained_and_ids(tokenizer, turns(("user", "q"), ("assistant", "a")))[0]
+    assert plain == "<think>\n\n</think>\n\na<|im_end|>"
+
+
+def test_reasoning_removed_from_every_reply(base_tokenizer):
+    tokenizer = family_tokenizer(base_tokenizer, "deepseek-r1-distill")
+    messages = turns(("user", "q"), ("assistant", "<think>hmm</think>a"), ("user", "q2"), ("assistant", "b"))
+    assert trained_and_ids(tokenizer, messages)[0] == "a<eos>b<eos>"
+
+
+def test_a_template_that_refuses_a_conversation_names_the_sample(base_tokenizer):
+    tokenizer = family_tokenizer(base_tokenizer, "gemma-2")
+    assert trained_and_ids(tokenizer, turns(("user", "q"), ("assistant", " a ")))[0] == "a<end_of_turn>"
+    with pytest.raises(FinetuneError, match="sample 5: the tokenizer's chat template refuses it .*System role not"):
+        encode_chats([SYSTEM_MULTI_TURN], tokenizer, True, indices=[5])
+    with pytest.raises(FinetuneError, match="sample 5: .*roles must alternate"):
+        encode_chats([turns(("user", "q"), ("user", "q"), ("assistant", "a"))], tokenizer, True, indices=[5])
+
+
+def test_replies_no_rendering_holds_together_are_expanded_per_turn_or_refused(base_tokenizer):
+    tokenizer = family_tokenizer(base_tokenizer, "last-reply-only")
+    messages = turns(("user", "q1"), ("assistant", "a1"), ("user", "q2"), ("assistant", "a2"))
+    with pytest.raises(FinetuneError, match="sample 3: .*cannot be located in it; set data.multi_turn=per_turn"):
+        encode_chats([messages], tokenizer, True, indices=[3])
+    assert trained_and_ids(tokenizer, messages, multi_turn="last")[0] == "a2<|end|>"
+    samples = render_chats([messages], tokenizer, True, multi_turn="per_turn")
+    assert [s.expanded for s in samples] == [True, True]
+    assert [[s.text[a:b] for a, b in s.spans] for s in samples] == [["a1<|end|>"], ["a2<|end|>"]]
+    # Each sample's prompt is what the template renders for generation at that turn.
+    for sample, upto in zip(samples, (1, 3), strict=True):
+        prompt = tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=True)
+        assert sample.text.startswith(prompt) and sample.spans[0][0] == len(prompt)
+    # Conversations that do not need it stay whole, and the log counts the ones that did.
+    data = datasets.Dataset.from_list([{"messages": messages}, {"messages": messages[:2]}])
+    _, stats = prepare_split(data, tokenizer, DataConfig(train_path="x", max_length=256, multi_turn="per_turn"), 0)
+    assert stats.num_samples == 3 and stats.num_expanded == 2
+    assert "3 samples, 2 of them per-turn samples of expanded conversations" in stats.describe("train data")
+
+
+HASH_TEMPLATE = r"""{{- bos_token }}
+{%- for m in messages %}{{- '### ' + m.role + ':\n' + m.content + '<|end|>\n' }}{% endfor %}
+{%- if add_generation_prompt %}{{- '### assistant:\n' }}{% endif %}"""
+
+
+@pytest.mark.multiprocess
+def test_a_recipe_chat_template_trains_and_travels_with_the_export(demo_assets, tmp_path):
+    """data.chat_template from a file replaces the tokenizer's; the exported folder carries it, so a reload
+    renders prompts exactly as training rendered them."""
+    from conftest import Run, launch, recipe_overrides
+
+    template = tmp_path / "hash.jinja"
+    template.write_text(HASH_TEMPLATE)
+    overrides = {"data.chat_template": template, "train.max_steps": 2, "train.eval_every_steps": 0}
+    result = launch("fsdp2_full_shard.yaml", recipe_overrides(demo_assets, tmp_path / "out", **overrides))
+    assert result.returncode == 0, result.stderr[-4000:]
+    run = Run(result, tmp_path / "out")
+    exported = AutoTokenizer.from_pretrained(run.output_dir / "final")
+    assert exported.chat_template == HASH_TEMPLATE
+    messages = turns(("user", "reverse: 1 2"), ("assistant", "2 1"))
+    prompt = exported.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    [sample] = render_chats([messages], exported, True)
+    assert sample.text.startswith(prompt) and sample.spans == [(len(prompt), len(prompt) + len("2 1<|end|>"))]
+
+
+def test_a_chat_template_that_is_missing_or_not_jinja_is_refused(tmp_path):
+    from finetune.data import check_sources
+
+    with pytest.raises(FinetuneError, match="data.chat_template .*missing.jinja does not exist"):
+        check_sources(DataConfig(train_path="org/data", max_length=8, chat_template=str(tmp_path / "missing.jinja")))
+    with pytest.raises(FinetuneError, match="data.chat_template is not a valid Jinja template"):
+        check_sources(DataConfig(train_path="org/data", max_length=8, chat_template="{% for m in messages %}"))
