@@ -10,6 +10,8 @@ rendered text tokenized once.
 
 from __future__ import annotations
 
+import json
+
 import datasets
 import pytest
 from transformers import AutoTokenizer
@@ -101,6 +103,19 @@ LAST_REPLY_ONLY = r"""{%- for m in messages %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{% endif %}"""
 
+# Qwen2.5-style tool calling: schemas in a system block, calls inside the reply, results as user turns.
+TOOLS = r"""{%- if tools %}{{- '<|im_start|>system\n# Tools\n<tools>' }}
+{%- for t in tools %}{{- '\n' + (t | tojson) }}{% endfor %}{{- '\n</tools><|im_end|>\n' }}{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant' }}{% if m.content %}{{- '\n' + m.content }}{% endif %}
+{%- for c in m.tool_calls or [] %}{% set f = c.function if c.function is defined else c %}
+{{- '\n<tool_call>\n{"name": "' + f.name + '", "arguments": ' + (f.arguments | tojson) + '}\n</tool_call>' }}
+{%- endfor %}{{- '<|im_end|>\n' }}
+{%- elif m.role == 'tool' %}{{- '<|im_start|>user\n<tool_response>\n' + m.content + '\n</tool_response><|im_end|>\n' }}
+{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{% endif %}"""
+
 # template, bos, eos, pad, other special tokens
 FAMILIES = {
     "llama-3.1": (LLAMA_3_1, "<|begin_of_text|>", "<|eot_id|>", None, ["<|start_header_id|>", "<|end_header_id|>"]),
@@ -113,6 +128,7 @@ FAMILIES = {
     "deepseek-r1-distill": (DEEPSEEK_R1_DISTILL, "<bos>", "<eos>", None, ["<|User|>", "<|Assistant|>"]),
     "phi-3": (PHI_3, None, "<|endoftext|>", "<|endoftext|>", ["<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]),
     "gemma-2": (GEMMA_2, "<bos>", "<eos>", "<pad>", ["<start_of_turn>", "<end_of_turn>"]),
+    "tools": (TOOLS, None, "<|im_end|>", "<|endoftext|>", ["<|im_start|>", "<tool_call>", "</tool_call>"]),
     "last-reply-only": (LAST_REPLY_ONLY, None, "<|endoftext|>", None, ["<|user|>", "<|assistant|>", "<|end|>"]),
 }
 
@@ -266,3 +282,49 @@ def test_a_chat_template_that_is_missing_or_not_jinja_is_refused(tmp_path):
         check_sources(DataConfig(train_path="org/data", max_length=8, chat_template=str(tmp_path / "missing.jinja")))
     with pytest.raises(FinetuneError, match="data.chat_template is not a valid Jinja template"):
         check_sources(DataConfig(train_path="org/data", max_length=8, chat_template="{% for m in messages %}"))
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "tool_calls": [CALL]},
+    {"role": "tool", "content": '{"sky": "sunny"}'},
+    {"role": "assistant", "content": "It is sunny."},
+]
+
+
+def test_tool_calls_are_trained_and_tool_results_and_schemas_are_not(base_tokenizer):
+    tokenizer = family_tokenizer(base_tokenizer, "tools")
+    [(ids, trained)] = encode_chats([TOOL_CHAT], tokenizer, True, tools=[json.dumps([WEATHER])])
+    text = tokenizer.apply_chat_template(TOOL_CHAT, tools=[WEATHER], tokenize=False)
+    assert ids == tokenizer(text, add_special_tokens=False)["input_ids"] and "Weather of a city" in text
+    assert tokenizer.decode([i for i, t in zip(ids, trained, strict=True) if t]) == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+        "It is sunny.<|im_end|>"
+    )
+    # Through the data pipeline, as a dataset column (Arrow fills absent keys with nulls; they are dropped).
+    data = datasets.Dataset.from_list([{"messages": TOOL_CHAT, "tools": json.dumps([WEATHER])}] * 2)
+    rows, stats = prepare_split(data, tokenizer, DataConfig(train_path="x", max_length=512, packing=False), 0)
+    assert stats.num_target_tokens == 2 * sum(trained[1:]) and stats.num_truncated == 0
+
+
+@pytest.mark.parametrize(
+    ("messages", "tools", "message"),
+    [
+        (TOOL_CHAT, "{not json", "sample 4: tools is not valid JSON"),
+        (TOOL_CHAT, json.dumps({"name": "x"}), "sample 4: tools must be a list of JSON schemas"),
+        ([TOOL_CHAT[0], TOOL_CHAT[2], TOOL_CHAT[3]], None, "sample 4, message 1 is a tool result that answers no"),
+    ],
+)
+def test_bad_tool_data_names_the_sample(base_tokenizer, messages, tools, message):
+    tokenizer = family_tokenizer(base_tokenizer, "tools")
+    with pytest.raises(FinetuneError, match=message):
+        encode_chats([messages], tokenizer, True, indices=[4], tools=[tools])

@@ -6,7 +6,9 @@ dropped), so a malformed sample is refused with its index instead of being train
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -34,10 +36,11 @@ def encode_chats(
     completion_only: bool,
     indices: list[int] | None = None,
     multi_turn: MultiTurn = "full",
+    tools: list[Any] | None = None,
 ) -> list[tuple[list[int], list[bool]]]:
     """Token ids of each rendered conversation, with its assistant replies (and their end-of-turn) marked trained."""
     return [(ids, trained) for ids, trained, _ in encode_rendered(
-        render_chats(conversations, tokenizer, completion_only, indices, multi_turn), tokenizer
+        render_chats(conversations, tokenizer, completion_only, indices, multi_turn, tools), tokenizer
     )]  # fmt: skip
 
 
@@ -59,8 +62,10 @@ def render_chats(
     completion_only: bool,
     indices: list[int] | None = None,
     multi_turn: MultiTurn = "full",
+    tools: list[Any] | None = None,
 ) -> list[RenderedChat]:
-    """Render each conversation with the chat template and locate its assistant replies in the text.
+    """Render each conversation (with its `tools`, JSON schemas given to the template) with the chat
+    template and locate its assistant replies in the text.
 
     Replies are located without assuming that a conversation's prefixes render like its start (many
     templates add dates, move or drop the system message, strip earlier reasoning, or end the text
@@ -74,14 +79,16 @@ def render_chats(
     conversations whose replies cannot be located together. `indices` name samples in errors.
     """
     indices = indices if indices is not None else list(range(len(conversations)))
+    tools = tools if tools is not None else [None] * len(conversations)
     shape = template_shape(tokenizer)
     rendered = []
     knows_reasoning = "reasoning_content" in (tokenizer.chat_template or "")
-    for messages, index in zip(conversations, indices, strict=True):
+    for messages, schemas, index in zip(conversations, tools, indices, strict=True):
         messages = chat_messages(messages, index)
         if knows_reasoning:
             messages = [_reasoning_apart(message) for message in messages]
-        text = _render(tokenizer, messages, index)
+        chat = _Chat(tokenizer, messages, chat_tools(schemas, index), index)
+        text = chat.render()
         if not completion_only:
             rendered.append(RenderedChat(text, [(0, len(text))]))
             continue
@@ -92,11 +99,11 @@ def render_chats(
                 "data.completion_only_loss=false to train on all of its text"
             )
         trained = replies[-1:] if multi_turn == "last" else replies
-        spans = _reply_spans(tokenizer, shape, messages, trained, text, index)
+        spans = _reply_spans(chat, shape, trained, text)
         if spans is not None:
             rendered.append(RenderedChat(text, spans))
         elif multi_turn == "per_turn":
-            rendered.extend(_per_turn(tokenizer, shape, messages, replies, index))
+            rendered.extend(_per_turn(chat, shape, replies))
         else:
             raise FinetuneError(
                 f"sample {index}: the chat template renders this conversation so that its assistant replies cannot "
@@ -123,22 +130,67 @@ def _reasoning_apart(message: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _per_turn(
-    tokenizer: PreTrainedTokenizerBase, shape: TemplateShape, messages: list[dict[str, Any]], replies: list[int],
-    index: int,
-) -> list[RenderedChat]:  # fmt: skip
+@dataclass(frozen=True)
+class _Chat:
+    """One checked conversation, its tools, and its sample index: what every rendering of it needs."""
+
+    tokenizer: PreTrainedTokenizerBase
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    index: int
+
+    def render(self, messages: list[dict[str, Any]] | None = None, generation: bool = False) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                self.messages if messages is None else messages, tools=self.tools, tokenize=False,
+                add_generation_prompt=generation,
+            )  # fmt: skip
+        except Exception as exc:  # templates raise jinja2 errors, or their own via raise_exception
+            raise FinetuneError(
+                f"sample {self.index}: the tokenizer's chat template refuses it ({first_line(exc)}); fix or remove "
+                "the sample"
+            ) from None
+
+    def up_to(self, i: int) -> _Chat:
+        return dataclasses.replace(self, messages=self.messages[: i + 1])
+
+
+def _per_turn(chat: _Chat, shape: TemplateShape, replies: list[int]) -> list[RenderedChat]:
     """One sample per assistant reply: the conversation up to it, that reply trained."""
     samples = []
     for i in replies:
-        text = _render(tokenizer, messages[: i + 1], index)
-        spans = _reply_spans(tokenizer, shape, messages[: i + 1], [i], text, index)
+        turn = chat.up_to(i)
+        text = turn.render()
+        spans = _reply_spans(turn, shape, [i], text)
         if spans is None:
             raise FinetuneError(
-                f"sample {index}: the chat template renders even the conversation up to message {i} so that its "
-                "last reply cannot be located; set data.completion_only_loss=false"
+                f"sample {chat.index}: the chat template renders even the conversation up to message {i} so that "
+                "its last reply cannot be located; set data.completion_only_loss=false"
             )
         samples.append(RenderedChat(text, spans, expanded=True))
     return samples
+
+
+def chat_tools(value: Any, index: int) -> list[dict[str, Any]] | None:
+    """A sample's `tools`: JSON schemas as a list, or as JSON text; nulls that Arrow filled in are dropped."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise FinetuneError(f"sample {index}: tools is not valid JSON ({exc}); fix or remove the sample") from None
+    if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):
+        raise FinetuneError(f"sample {index}: tools must be a list of JSON schemas, got {describe(value)}")
+    return [_without_nulls(tool) for tool in value] or None
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_nulls(item) for item in value]
+    return value
 
 
 def read_chat_template(value: str) -> str:
@@ -189,8 +241,17 @@ def chat_messages(messages: Any, index: int) -> list[dict[str, Any]]:
             )
         elif content is not None and not isinstance(content, str):
             raise FinetuneError(f"{where}, message {number}: content must be text, got {describe(content)}")
+        if message["role"] == "tool" and not (normalized and _calls_or_answers(normalized[-1])):
+            raise FinetuneError(
+                f"{where}, message {number} is a tool result that answers no tool call (the message before it has "
+                "no tool_calls); fix or remove the sample"
+            )
         normalized.append(message)
     return normalized
+
+
+def _calls_or_answers(message: dict[str, Any]) -> bool:
+    return message["role"] == "tool" or (message["role"] == "assistant" and bool(message.get("tool_calls")))
 
 
 def _text_of_parts(parts: list[Any], where: str) -> str:
@@ -203,17 +264,6 @@ def _text_of_parts(parts: list[Any], where: str) -> str:
             )
         texts.append(part["text"])
     return "".join(texts)
-
-
-def _render(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], index: int, add_generation_prompt: bool = False
-) -> str:
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as exc:  # templates raise jinja2 errors, or their own via raise_exception
-        raise FinetuneError(
-            f"sample {index}: the tokenizer's chat template refuses it ({first_line(exc)}); fix or remove the sample"
-        ) from None
 
 
 def describe(value: Any) -> str:
@@ -284,16 +334,16 @@ def _template_shape(template: str, specials: tuple[str, ...], render: _Renderer)
     return TemplateShape(reply_prefix, generation_prompt, end_marker)
 
 
-def _reply_spans(
-    tokenizer: PreTrainedTokenizerBase, shape: TemplateShape, messages: list[dict[str, Any]], trained: list[int],
-    text: str, index: int,
-) -> list[tuple[int, int]] | None:  # fmt: skip
+def _reply_spans(chat: _Chat, shape: TemplateShape, trained: list[int], text: str) -> list[tuple[int, int]] | None:
     """Character spans in `text` of the replies `trained` (message positions), or None when the
     template's rendering does not let them be located (see `render_chats`)."""
-    placeholders = [dict(m) for m in messages]
+    placeholders = list(chat.messages)
     for k, i in enumerate(trained):
-        placeholders[i]["content"] = _SENTINEL.format(k)
-    marked = _render(tokenizer, placeholders, index)
+        marked_message = _with_placeholder(chat.messages[i], _SENTINEL.format(k))
+        if marked_message is None:
+            return None
+        placeholders[i] = marked_message
+    marked = chat.render(placeholders)
     segments, rest = [], marked
     for k in range(len(trained)):
         before, found, rest = rest.partition(_SENTINEL.format(k))
@@ -315,6 +365,24 @@ def _reply_spans(
         spans.append((start, content_end + (marker + len(shape.end_marker) if marker >= 0 else 0)))
         position = content_end + len(following)
     return spans
+
+
+def _with_placeholder(message: dict[str, Any], placeholder: str) -> dict[str, Any] | None:
+    """The reply with `placeholder` in place of its content or, for a reply that is only tool calls, in
+    place of its first call's name (its span still runs from the assistant header to the end marker)."""
+    if message.get("content"):
+        return {**message, "content": placeholder}
+    calls = message.get("tool_calls") or []
+    call = calls[0] if calls and isinstance(calls[0], dict) else None
+    if call is None:
+        return None
+    if isinstance(call.get("function"), dict) and "name" in call["function"]:
+        call = {**call, "function": {**call["function"], "name": placeholder}}
+    elif "name" in call:
+        call = {**call, "name": placeholder}
+    else:
+        return None
+    return {**message, "tool_calls": [call, *calls[1:]]}
 
 
 def _reply_offset(segment: str, shape: TemplateShape) -> int:

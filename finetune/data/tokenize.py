@@ -67,7 +67,7 @@ def _tokenize_batch(
     multi_turn: MultiTurn = "full",
 ) -> dict[str, list]:
     if fmt == "chat":
-        rendered = render_chats(batch["messages"], tokenizer, completion_only, indices, multi_turn)
+        rendered = render_chats(batch["messages"], tokenizer, completion_only, indices, multi_turn, batch.get("tools"))
         encoded = encode_rendered(rendered, tokenizer)
     elif fmt == "prompt_completion":
         prompts, completions = _texts(batch, "prompt", indices), _texts(batch, "completion", indices)
