@@ -86,6 +86,10 @@ class DataConfig:
     tokenizer's, e.g. for a base model that has none. It is saved with checkpoints and exports, so
     inference formats prompts the way training did."""
 
+    train_on_reasoning: bool = True
+    """Chat data: take loss on the reasoning of assistant replies (a `reasoning_content` field, or a
+    leading <think> block); False keeps it in the text as context only. The log counts reasoning tokens."""
+
     multi_turn: Literal["full", "per_turn", "last"] = "full"
     """Chat data: train every assistant reply of a conversation in one sample (full), only its last
     reply (last), or, for conversations whose chat template makes replies impossible to locate in one

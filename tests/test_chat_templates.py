@@ -328,3 +328,24 @@ def test_bad_tool_data_names_the_sample(base_tokenizer, messages, tools, message
     tokenizer = family_tokenizer(base_tokenizer, "tools")
     with pytest.raises(FinetuneError, match=message):
         encode_chats([messages], tokenizer, True, indices=[4], tools=[tools])
+
+
+def test_reasoning_can_be_kept_as_context_only_and_is_counted(base_tokenizer):
+    """data.train_on_reasoning=false: the think block's text stays in the sample but takes no loss; both a
+    reasoning_content field (Qwen3) and a <think> block kept in the content (a plain template) count."""
+    qwen3 = family_tokenizer(base_tokenizer, "qwen-3")
+    messages = turns(("user", "reverse: 3 4"), ("assistant", "<think>swap them</think>4 3"))
+    [rendered] = render_chats([messages], qwen3, True)
+    [kept] = [rendered.text[a:b] for a, b in rendered.reasoning]
+    assert kept == "swap them"
+    cfg = DataConfig(train_path="x", max_length=256, packing=False, train_on_reasoning=False)
+    rows, stats = prepare_split(datasets.Dataset.from_list([{"messages": messages}]), qwen3, cfg, 0)
+    trained = qwen3.decode([t for t in rows[0]["target_ids"] if t != IGNORE])
+    assert trained == "<think>\n\n</think>\n\n4 3<|im_end|>" and "swap them" in qwen3.decode(rows[0]["input_ids"])
+    assert stats.num_reasoning_tokens == len(qwen3("swap them", add_special_tokens=False)["input_ids"])
+    assert "of reasoning (not trained)" in stats.describe("train data")
+    phi3 = family_tokenizer(base_tokenizer, "phi-3")
+    [rendered] = render_chats([messages], phi3, True)
+    assert [rendered.text[a:b] for a, b in rendered.reasoning] == ["swap them"]
+    [(ids, trained_mask)] = encode_chats([messages], phi3, True)
+    assert "swap them" in phi3.decode([i for i, t in zip(ids, trained_mask, strict=True) if t])  # trained by default

@@ -47,15 +47,21 @@ class DataStats:
     num_rows: int
     num_expanded: int = 0
     """Samples that are one reply of a conversation expanded per turn (data.multi_turn=per_turn)."""
+    num_reasoning_tokens: int = 0
+    reasoning_trained: bool = True
 
     def describe(self, split: str) -> str:
         expanded = f", {self.num_expanded:,} of them per-turn samples of expanded conversations" * bool(
             self.num_expanded
         )
+        reasoning = ""
+        if self.num_reasoning_tokens:
+            trained = "trained" if self.reasoning_trained else "not trained"
+            reasoning = f", {self.num_reasoning_tokens:,} of reasoning ({trained})"
         return (
             f"{split}: {self.num_samples:,} samples{expanded}, {self.num_tokens:,} tokens "
-            f"({self.num_target_tokens:,} trained), {self.num_truncated:,} truncated, {self.num_dropped:,} dropped "
-            f"with no target token, {self.num_rows:,} rows"
+            f"({self.num_target_tokens:,} trained{reasoning}), {self.num_truncated:,} truncated, "
+            f"{self.num_dropped:,} dropped with no target token, {self.num_rows:,} rows"
         )
 
 
@@ -84,6 +90,8 @@ def prepare_split(
         num_target_tokens=int(num_targets.sum()),
         num_rows=len(rows),
         num_expanded=int(pyarrow.compute.sum(table["expanded"]).as_py() or 0),
+        num_reasoning_tokens=int(pyarrow.compute.sum(table["num_reasoning"]).as_py() or 0),
+        reasoning_trained=cfg.train_on_reasoning,
     )
     return rows, stats
 

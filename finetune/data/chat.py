@@ -28,6 +28,17 @@ class RenderedChat:
     spans: list[tuple[int, int]]
     expanded: bool = False
     """One of the per-turn samples of a conversation whose replies could not be located together."""
+    reasoning: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    """The character spans of reasoning (think blocks' text) inside the replies."""
+
+
+@dataclass(frozen=True)
+class EncodedChat:
+    ids: list[int]
+    trained: list[bool]
+    expanded: bool
+    reasoning_tokens: int
+    """Tokens of reasoning in the replies, trained or not (`train_on_reasoning`)."""
 
 
 def encode_chats(
@@ -39,21 +50,25 @@ def encode_chats(
     tools: list[Any] | None = None,
 ) -> list[tuple[list[int], list[bool]]]:
     """Token ids of each rendered conversation, with its assistant replies (and their end-of-turn) marked trained."""
-    return [(ids, trained) for ids, trained, _ in encode_rendered(
-        render_chats(conversations, tokenizer, completion_only, indices, multi_turn, tools), tokenizer
-    )]  # fmt: skip
+    rendered = render_chats(conversations, tokenizer, completion_only, indices, multi_turn, tools)
+    return [(chat.ids, chat.trained) for chat in encode_rendered(rendered, tokenizer)]
 
 
 def encode_rendered(
-    samples: list[RenderedChat], tokenizer: PreTrainedTokenizerBase
-) -> list[tuple[list[int], list[bool], bool]]:
+    samples: list[RenderedChat], tokenizer: PreTrainedTokenizerBase, train_on_reasoning: bool = True
+) -> list[EncodedChat]:
     """Tokenize the rendered texts in one call (the fast tokenizer is entered once per batch) and map the
     trained character spans to tokens through its offsets, so merges across turn boundaries cannot shift them."""
     encodings = tokenizer([s.text for s in samples], add_special_tokens=False, return_offsets_mapping=True)
-    return [
-        (ids, [any(lo <= start < hi for lo, hi in sample.spans) for start, _ in offsets], sample.expanded)
-        for sample, ids, offsets in zip(samples, encodings["input_ids"], encodings["offset_mapping"], strict=True)
-    ]
+    encoded = []
+    for sample, ids, offsets in zip(samples, encodings["input_ids"], encodings["offset_mapping"], strict=True):
+        reasoning = [any(lo <= start < hi for lo, hi in sample.reasoning) for start, _ in offsets]
+        trained = [
+            any(lo <= start < hi for lo, hi in sample.spans) and (train_on_reasoning or not thinking)
+            for (start, _), thinking in zip(offsets, reasoning, strict=True)
+        ]
+        encoded.append(EncodedChat(ids, trained, sample.expanded, sum(reasoning)))
+    return encoded
 
 
 def render_chats(
@@ -99,9 +114,9 @@ def render_chats(
                 "data.completion_only_loss=false to train on all of its text"
             )
         trained = replies[-1:] if multi_turn == "last" else replies
-        spans = _reply_spans(chat, shape, trained, text)
-        if spans is not None:
-            rendered.append(RenderedChat(text, spans))
+        located = _reply_spans(chat, shape, trained, text)
+        if located is not None:
+            rendered.append(RenderedChat(text, located[0], reasoning=located[1]))
         elif multi_turn == "per_turn":
             rendered.extend(_per_turn(chat, shape, replies))
         else:
@@ -161,13 +176,13 @@ def _per_turn(chat: _Chat, shape: TemplateShape, replies: list[int]) -> list[Ren
     for i in replies:
         turn = chat.up_to(i)
         text = turn.render()
-        spans = _reply_spans(turn, shape, [i], text)
-        if spans is None:
+        located = _reply_spans(turn, shape, [i], text)
+        if located is None:
             raise FinetuneError(
                 f"sample {chat.index}: the chat template renders even the conversation up to message {i} so that "
                 "its last reply cannot be located; set data.completion_only_loss=false"
             )
-        samples.append(RenderedChat(text, spans, expanded=True))
+        samples.append(RenderedChat(text, located[0], expanded=True, reasoning=located[1]))
     return samples
 
 
@@ -334,37 +349,71 @@ def _template_shape(template: str, specials: tuple[str, ...], render: _Renderer)
     return TemplateShape(reply_prefix, generation_prompt, end_marker)
 
 
-def _reply_spans(chat: _Chat, shape: TemplateShape, trained: list[int], text: str) -> list[tuple[int, int]] | None:
-    """Character spans in `text` of the replies `trained` (message positions), or None when the
-    template's rendering does not let them be located (see `render_chats`)."""
+def _reply_spans(
+    chat: _Chat, shape: TemplateShape, trained: list[int], text: str
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
+    """Character spans in `text` of the replies `trained` (message positions), and of the reasoning
+    inside them, or None when the template's rendering does not let them be located (see `render_chats`)."""
     placeholders = list(chat.messages)
     for k, i in enumerate(trained):
-        marked_message = _with_placeholder(chat.messages[i], _SENTINEL.format(k))
-        if marked_message is None:
+        message = _with_placeholder(chat.messages[i], _SENTINEL.format(k))
+        if message is None:
             return None
-        placeholders[i] = marked_message
+        if str(message.get("reasoning_content") or "").strip():
+            message = {**message, "reasoning_content": _SENTINEL.format(f"r{k}")}
+        placeholders[i] = message
     marked = chat.render(placeholders)
-    segments, rest = [], marked
+    # The placeholders in the order the template wrote them: every reply once, its reasoning once or
+    # not at all (templates drop the reasoning of earlier replies).
+    found = []
     for k in range(len(trained)):
-        before, found, rest = rest.partition(_SENTINEL.format(k))
-        if not found or _SENTINEL.format(k) in rest:
-            return None  # the template dropped or repeated a reply
-        segments.append(before)
-    segments.append(rest)
+        for kind, placeholder in (("reasoning", _SENTINEL.format(f"r{k}")), ("reply", _SENTINEL.format(k))):
+            count = marked.count(placeholder)
+            if count > 1 or (kind == "reply" and count == 0):
+                return None
+            if count:
+                found.append((marked.index(placeholder), kind, k, placeholder))
+    found.sort()
+    if [k for _, kind, k, _ in found if kind == "reply"] != list(range(len(trained))):
+        return None
+    segments, previous = [], 0
+    for at, _, _, placeholder in found:
+        segments.append(marked[previous:at])
+        previous = at + len(placeholder)
+    segments.append(marked[previous:])
     if not (text.startswith(segments[0]) and text.endswith(segments[-1])):
         return None
-    spans, position = [], len(segments[0])
-    end_of_text = len(text) - len(segments[-1])
-    for k in range(len(trained)):
-        following = segments[k + 1]
-        content_end = end_of_text if k == len(trained) - 1 else text.find(following, position)
-        if content_end < position or content_end > end_of_text:
+    # Where each placeholder's real text lies: between the template text before and after it.
+    regions: dict[tuple[str, int], tuple[int, int, int]] = {}  # (kind, reply) -> start, end, placeholder number
+    position, end_of_text = len(segments[0]), len(text) - len(segments[-1])
+    for j, (_, kind, k, _) in enumerate(found):
+        following = segments[j + 1]
+        end = end_of_text if j == len(found) - 1 else text.find(following, position)
+        if end < position or end > end_of_text:
             return None
-        start = position - len(segments[k]) + _reply_offset(segments[k], shape)
-        marker = following.find(shape.end_marker) if shape.end_marker else -1
+        regions[kind, k] = (position, end, j)
+        position = end + len(following)
+    spans, reasoning = [], []
+    for k in range(len(trained)):
+        first_start, _, first = min(regions[kind, k] for kind in ("reasoning", "reply") if (kind, k) in regions)
+        start = first_start - len(segments[first]) + _reply_offset(segments[first], shape)
+        content_start, content_end, j = regions["reply", k]
+        marker = segments[j + 1].find(shape.end_marker) if shape.end_marker else -1
         spans.append((start, content_end + (marker + len(shape.end_marker) if marker >= 0 else 0)))
-        position = content_end + len(following)
-    return spans
+        if ("reasoning", k) in regions:
+            reasoning.append(regions["reasoning", k][:2])
+        elif (think := _think_block(text, content_start, content_end)) is not None:
+            reasoning.append(think)
+    return spans, reasoning
+
+
+def _think_block(text: str, start: int, end: int) -> tuple[int, int] | None:
+    """The reasoning of a reply whose content opens with a <think> block the template kept as it was."""
+    opened = text.find("<think>", start, end)
+    if opened < 0 or text[start:opened].strip():
+        return None
+    closed = text.find("</think>", opened, end)
+    return (opened + len("<think>"), closed) if closed >= 0 else None
 
 
 def _with_placeholder(message: dict[str, Any], placeholder: str) -> dict[str, Any] | None:

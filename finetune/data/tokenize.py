@@ -65,19 +65,26 @@ def _tokenize_batch(
     max_length: int,
     completion_only: bool,
     multi_turn: MultiTurn = "full",
+    train_on_reasoning: bool = True,
 ) -> dict[str, list]:
     if fmt == "chat":
         rendered = render_chats(batch["messages"], tokenizer, completion_only, indices, multi_turn, batch.get("tools"))
-        encoded = encode_rendered(rendered, tokenizer)
+        encoded = [
+            (chat.ids, chat.trained, chat.expanded, chat.reasoning_tokens)
+            for chat in encode_rendered(rendered, tokenizer, train_on_reasoning)
+        ]
     elif fmt == "prompt_completion":
         prompts, completions = _texts(batch, "prompt", indices), _texts(batch, "completion", indices)
         pairs = encode_prompt_completions(prompts, completions, tokenizer, completion_only)
-        encoded = [(*pair, False) for pair in pairs]
+        encoded = [(*pair, False, 0) for pair in pairs]
     else:
-        encoded = [(*pair, False) for pair in encode_texts(_texts(batch, "text", indices), tokenizer)]
-    out: dict[str, list] = {"input_ids": [], "target_ids": [], "truncated": [], "num_targets": [], "expanded": []}
-    for ids, trained, expanded in encoded:
+        encoded = [(*pair, False, 0) for pair in encode_texts(_texts(batch, "text", indices), tokenizer)]
+    out: dict[str, list] = {
+        "input_ids": [], "target_ids": [], "truncated": [], "num_targets": [], "expanded": [], "num_reasoning": [],
+    }  # fmt: skip
+    for ids, trained, expanded, reasoning in encoded:
         out["expanded"].append(expanded)
+        out["num_reasoning"].append(reasoning)
         out["truncated"].append(len(ids) > max_length)
         ids, trained = ids[:max_length], trained[:max_length]
         # target_ids[i] is the token after input_ids[i] when that token is trained; the last has no successor.
@@ -105,6 +112,7 @@ def tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg:
         max_length=cfg.max_length,
         completion_only=cfg.completion_only_loss and fmt != "text",
         multi_turn=cfg.multi_turn,
+        train_on_reasoning=cfg.train_on_reasoning,
     )
     return dataset.map(
         encode, batched=True, with_indices=True, remove_columns=dataset.column_names, desc=f"tokenizing ({fmt})"
