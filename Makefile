@@ -21,7 +21,7 @@ MAIN_PROCESS_PORT ?= 29500
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b train-70b train-qwen-7b train-mistral-7b \
-	train-8b-lora train-qwen-7b-lora train-70b-qlora
+	train-8b-lora train-qwen-7b-lora train-70b-qlora train-qwen3-8b
 .PHONY: help setup demo demo-lora train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu test lint format clean
 
 help: ## list the targets
@@ -93,6 +93,11 @@ train-qwen-7b: RECIPE = recipes/qwen/qwen2.5-7b.yaml
 train-qwen-7b: WRAP = Qwen2DecoderLayer
 train-qwen-7b: CONFIG = accelerate_configs/single_node.yaml
 train-qwen-7b: NUM_PROCESSES = 8
+train-qwen3-8b: ## Qwen3-8B, reasoning traces (Mixture-of-Thoughts), 8 GPUs, single-node preset
+train-qwen3-8b: RECIPE = recipes/qwen/qwen3-8b-reasoning.yaml
+train-qwen3-8b: WRAP = Qwen3DecoderLayer
+train-qwen3-8b: CONFIG = accelerate_configs/single_node.yaml
+train-qwen3-8b: NUM_PROCESSES = 8
 train-mistral-7b: ## Mistral-7B-Instruct-v0.3, UltraChat, 8 GPUs, single-node preset
 train-mistral-7b: RECIPE = recipes/mistral/mistral-7b.yaml
 train-mistral-7b: WRAP = MistralDecoderLayer

@@ -51,12 +51,38 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
-class DataConfig:
-    train_path: str
+class SourceConfig:
+    """One dataset of a training mixture (`data.train`)."""
+
+    path: str
     """Hub dataset id, or a local .json/.jsonl/.csv/.parquet file or folder of them."""
+
+    split: str = "train"
+    """Split of a hub dataset."""
+
+    subset: str | None = None
+    """Configuration (subset) of a hub dataset that has several, e.g. math of open-r1/Mixture-of-Thoughts."""
+
+    columns: dict[str, str] = field(default_factory=dict)
+    """The source's column for each column finetune reads, e.g. {messages: conversations}."""
+
+    fraction: float = 1.0
+    """How much of the source goes into the mixture: 0.25 takes a seeded quarter of its samples, 2
+    takes every sample twice; must be > 0."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    train_path: str | None = None
+    """Hub dataset id, or a local .json/.jsonl/.csv/.parquet file or folder of them (one source;
+    `train` for several)."""
 
     train_split: str = "train"
     """Split of `train_path` to train on."""
+
+    train: list[SourceConfig] | None = None
+    """A mixture of sources instead of `train_path`: each with its path, split, column mapping and
+    fraction, mixed into one seeded order (the same on any process count, and on resume)."""
 
     eval_path: str | None = None
     """Hub id or local file for evaluation; None to carve `eval_fraction` out of the training data."""
@@ -94,6 +120,10 @@ class DataConfig:
     """Chat data: train every assistant reply of a conversation in one sample (full), only its last
     reply (last), or, for conversations whose chat template makes replies impossible to locate in one
     rendering, one sample per reply with its prompt as rendered for generation (per_turn, counted in the log)."""
+
+    def sources(self) -> list[SourceConfig]:
+        """The training sources: `train`, or `train_path` as a mixture of one."""
+        return self.train if self.train is not None else [SourceConfig(path=self.train_path, split=self.train_split)]
 
 
 @dataclass(kw_only=True)
@@ -242,6 +272,13 @@ class RecipeConfig:
                 errors.append(f"train.{name} must be >= 1, got {getattr(train, name)}")
         if train.eval_every_steps < 0:
             errors.append(f"train.eval_every_steps must be >= 0, got {train.eval_every_steps}")
+        if (data.train_path is None) == (data.train is None):
+            errors.append("set data.train_path (one source) or data.train (a list of sources), not both")
+        for i, source in enumerate(data.train or []):
+            if source.fraction <= 0:
+                errors.append(f"data.train[{i}].fraction must be > 0, got {source.fraction}")
+        if data.train is not None and not data.train:
+            errors.append("data.train is an empty list; give at least one source")
         if data.max_length < 8:
             errors.append(f"data.max_length must be >= 8 tokens, got {data.max_length}")
         if not 0.0 <= data.eval_fraction < 1.0:
@@ -384,10 +421,18 @@ def _coerce(value: Any, hint: Any, name: str, errors: list[str]) -> Any:
             return value
         errors.append(f"{name} must be one of {', '.join(map(str, args))}; got {value!r}")
         return _INVALID
+    if origin is list and dataclasses.is_dataclass(args[0]) and isinstance(value, list):
+        built = [_build(args[0], item, f"{name}[{i}].", errors) for i, item in enumerate(value)]
+        return _INVALID if None in built else built
     if origin is list:
         if isinstance(value, list) and all(isinstance(v, args[0]) for v in value):
             return value
         errors.append(f"{name} must be a list of {args[0].__name__}, got {value!r}")
+        return _INVALID
+    if origin is dict:
+        if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            return value
+        errors.append(f"{name} must be a mapping of names to names, got {value!r}")
         return _INVALID
     if hint is bool:
         if isinstance(value, bool):

@@ -254,3 +254,56 @@ def test_bytes_that_are_not_utf8_are_located(tmp_path):
     path.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
     with pytest.raises(FinetuneError, match=r"latin1.jsonl:2: byte 0xe9 at column 14 is not UTF-8"):
         load_split(str(path), "train")
+
+
+def test_a_mixture_of_sources_is_mapped_sampled_counted_and_seeded(tmp_path, tokenizer):
+    """data.train: a chat source under another column name, taken twice, and a prompt/completion source, a
+    quarter of it; each counted in the log; the mixed order depends on the seed only."""
+    from finetune.config import SourceConfig
+    from finetune.data.sources import load_source
+
+    chats = tmp_path / "chats.jsonl"
+    datasets.Dataset.from_list(
+        [{"conversations": chat(("user", f"reverse: {i} 1"), ("assistant", f"1 {i}")), "id": i} for i in range(10)]
+    ).to_json(str(chats))
+    pairs = tmp_path / "pairs.csv"
+    datasets.Dataset.from_list([{"prompt": f"reverse: {i} 2", "completion": f" 2 {i}"} for i in range(40)]).to_csv(
+        str(pairs), index=False
+    )
+    sources = [
+        SourceConfig(path=str(chats), columns={"messages": "conversations"}, fraction=2.0),
+        SourceConfig(path=str(pairs), fraction=0.25),
+    ]
+    cfg = DataConfig(train=sources, max_length=32, packing=False)
+    mixture = [(source, load_source(source, seed=3)) for source in cfg.sources()]
+    rows, stats = prepare_split(mixture, tokenizer, cfg, seed=3)
+    assert [s.num_samples for _, s in stats.sources] == [20, 10] and stats.num_samples == len(rows) == 30
+    lines = stats.describe("train data").splitlines()
+    assert lines[0].startswith("train data: 30 samples") and lines[1].startswith(f"  {chats}: 20 samples")
+    again, _ = prepare_split([(s, load_source(s, seed=3)) for s in sources], tokenizer, cfg, seed=3)
+    assert again["input_ids"] == rows["input_ids"]
+    other = load_source(sources[1], seed=4)["prompt"]
+    assert sorted(other) != sorted(load_source(sources[1], seed=3)["prompt"])  # another seed, another quarter
+
+
+def test_bad_mixtures_name_the_source(tmp_path, tokenizer):
+    from finetune.config import ConfigError, SourceConfig, load_recipe
+    from finetune.data.sources import load_source
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "model: {name_or_path: m}\ndata: {max_length: 32, train: [{path: a.jsonl, fraction: 0}, {path: b.jsonl, "
+        "fraction: -1}]}\noptim: {lr: 1.0e-4}\ntrain: {max_steps: 1, micro_batch_size: 1}\noutput: {dir: out}\n"
+    )
+    with pytest.raises(ConfigError, match=r"data.train\[0\].fraction must be > 0.*data.train\[1\].fraction must be"):
+        load_recipe(recipe)
+    with pytest.raises(ConfigError, match="set data.train_path .* or data.train .*, not both"):
+        load_recipe(recipe, ["data.train_path=c.jsonl", "data.train=[{path: a.jsonl}]"])
+    data = tmp_path / "chats.jsonl"
+    datasets.Dataset.from_list([{"messages": chat(("user", "q"))}]).to_json(str(data))
+    with pytest.raises(FinetuneError, match=f"data.train source {data} has no column conversations"):
+        load_source(SourceConfig(path=str(data), columns={"messages": "conversations"}), seed=0)
+    source = SourceConfig(path=str(data))
+    cfg = DataConfig(train=[source, source], max_length=32)
+    with pytest.raises(FinetuneError, match=f"data.train source {data}: sample 0 has no assistant message"):
+        prepare_split([(s, load_source(s, seed=0)) for s in cfg.sources()], tokenizer, cfg, seed=0)

@@ -11,6 +11,7 @@ must predict after `input_ids[i]`, or IGNORE where no loss is taken. Shifting in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -21,10 +22,10 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from finetune.config import DataConfig
+from finetune.config import DataConfig, SourceConfig
 from finetune.data.chat import encode_chats
 from finetune.data.pack import collate_packed, collate_padded, pack
-from finetune.data.sources import check_sources, load_split
+from finetune.data.sources import check_sources, load_source, load_split
 from finetune.data.tokenize import IGNORE, detect_format, tokenize
 from finetune.distributed import main_process_first
 from finetune.errors import FinetuneError
@@ -37,7 +38,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class DataStats:
-    """What tokenization did to one split; logged so that truncation is never silent."""
+    """What tokenization did to one split (or one source of it); logged so that nothing is dropped silently."""
 
     num_samples: int
     num_truncated: int
@@ -49,8 +50,14 @@ class DataStats:
     """Samples that are one reply of a conversation expanded per turn (data.multi_turn=per_turn)."""
     num_reasoning_tokens: int = 0
     reasoning_trained: bool = True
+    sources: tuple[tuple[str, DataStats], ...] = ()
+    """Per source of a mixture (`data.train`): its name and its own figures (rows: 0, rows are mixed)."""
 
     def describe(self, split: str) -> str:
+        lines = [self._line(split)] + [f"  {source.path}{stats._line('')}" for source, stats in self.sources]
+        return "\n".join(lines)
+
+    def _line(self, split: str) -> str:
         expanded = f", {self.num_expanded:,} of them per-turn samples of expanded conversations" * bool(
             self.num_expanded
         )
@@ -58,42 +65,54 @@ class DataStats:
         if self.num_reasoning_tokens:
             trained = "trained" if self.reasoning_trained else "not trained"
             reasoning = f", {self.num_reasoning_tokens:,} of reasoning ({trained})"
+        rows = f", {self.num_rows:,} rows" if self.num_rows else ""
         return (
             f"{split}: {self.num_samples:,} samples{expanded}, {self.num_tokens:,} tokens "
             f"({self.num_target_tokens:,} trained{reasoning}), {self.num_truncated:,} truncated, "
-            f"{self.num_dropped:,} dropped with no target token, {self.num_rows:,} rows"
+            f"{self.num_dropped:,} dropped with no target token{rows}"
         )
 
 
 def prepare_split(
-    raw: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, seed: int
+    raw: datasets.Dataset | list[tuple[SourceConfig, datasets.Dataset]],
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: DataConfig,
+    seed: int,
 ) -> tuple[datasets.Dataset, DataStats]:
-    """Tokenize, drop samples left with nothing to train on, and pack (after a seeded shuffle) if asked."""
-    tokenized = tokenize(raw, tokenizer, cfg)
-    kept = tokenized.filter(lambda counts: [n > 0 for n in counts], input_columns="num_targets", batched=True)
+    """Tokenize (each source of a mixture with its own format), drop samples left with nothing to
+    train on, mix, and pack (after a seeded shuffle) if asked."""
+    parts = raw if isinstance(raw, list) else [(None, raw)]
+    tokenized = [(source, tokenize(dataset, tokenizer, cfg, source)) for source, dataset in parts]
+    every = tokenized[0][1] if len(tokenized) == 1 else datasets.concatenate_datasets([t for _, t in tokenized])
+    kept = every.filter(lambda counts: [n > 0 for n in counts], input_columns="num_targets", batched=True)
     if len(kept) == 0:
-        trained = "assistant turn" if "messages" in raw.column_names else "completion or text"
+        trained = "assistant turn" if "messages" in parts[0][1].column_names else "completion or text"
         raise FinetuneError(
-            f"none of the {len(tokenized):,} samples has a token to train on (no {trained} within data.max_length="
+            f"none of the {len(every):,} samples has a token to train on (no {trained} within data.max_length="
             f"{cfg.max_length} tokens); check the data, or raise data.max_length"
         )
     rows = pack(kept.shuffle(seed=seed), cfg.max_length, tokenizer.pad_token_id) if cfg.packing else kept
-    # Counted in Arrow, without turning every sample into Python lists.
+    per_source = tuple((source, _stats(t, cfg)) for source, t in tokenized) if len(tokenized) > 1 else ()
+    stats = dataclasses.replace(_stats(every, cfg), num_rows=len(rows), sources=per_source)
+    return rows, stats
+
+
+def _stats(tokenized: datasets.Dataset, cfg: DataConfig) -> DataStats:
+    """Counted in Arrow, without turning every sample into Python lists."""
     table = tokenized.with_format("arrow")[:]
     num_targets = table["num_targets"].to_numpy()
     lengths = pyarrow.compute.list_value_length(table["input_ids"]).to_numpy()
-    stats = DataStats(
+    return DataStats(
         num_samples=len(tokenized),
         num_truncated=int(pyarrow.compute.sum(table["truncated"]).as_py() or 0),
-        num_dropped=len(tokenized) - len(kept),
+        num_dropped=int((num_targets == 0).sum()),
         num_tokens=int(lengths[num_targets > 0].sum()),
         num_target_tokens=int(num_targets.sum()),
-        num_rows=len(rows),
+        num_rows=0,
         num_expanded=int(pyarrow.compute.sum(table["expanded"]).as_py() or 0),
         num_reasoning_tokens=int(pyarrow.compute.sum(table["num_reasoning"]).as_py() or 0),
         reasoning_trained=cfg.train_on_reasoning,
     )
-    return rows, stats
 
 
 @dataclass
@@ -110,12 +129,16 @@ def build_data(
     """Train and eval dataloaders (not yet prepared). The main process tokenizes first; the others hit its cache."""
 
     def load_and_prepare():
-        train_raw = load_split(cfg.train_path, cfg.train_split)
+        train_raw = [(source, load_source(source, seed)) for source in cfg.sources()]
         eval_raw = load_split(cfg.eval_path, cfg.eval_split) if cfg.eval_path else None
         if eval_raw is None and cfg.eval_fraction > 0:
-            split = train_raw.train_test_split(test_size=cfg.eval_fraction, seed=seed)
-            train_raw, eval_raw = split["train"], split["test"]
-        train = prepare_split(train_raw, tokenizer, cfg, seed)
+            held_out = []
+            for i, (source, dataset) in enumerate(train_raw):  # the same fraction of every source
+                split = dataset.train_test_split(test_size=cfg.eval_fraction, seed=seed)
+                train_raw[i] = (source, split["train"])
+                held_out.append((source, split["test"]))
+            eval_raw = held_out if len(held_out) > 1 else held_out[0][1]
+        train = prepare_split(train_raw if len(train_raw) > 1 else train_raw[0][1], tokenizer, cfg, seed)
         return train, prepare_split(eval_raw, tokenizer, cfg, seed) if eval_raw is not None else (None, None)
 
     (train_rows, train_stats), (eval_rows, eval_stats) = main_process_first(accelerator, load_and_prepare)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import datasets
 
-from finetune.config import DataConfig
+from finetune.config import DataConfig, SourceConfig
 from finetune.data.chat import read_chat_template
 from finetune.errors import FinetuneError, first_line
 
@@ -21,7 +21,10 @@ LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": 
 def check_sources(cfg: DataConfig) -> None:
     """What can be checked of the data before anything loads: local paths exist, hold one supported
     file type, and are not empty; splits are named only where there are splits to choose."""
-    for path, split, key in ((cfg.train_path, cfg.train_split, "train"), (cfg.eval_path, cfg.eval_split, "eval")):
+    named = [(source.path, source.split, "train") for source in cfg.sources()] + [
+        (cfg.eval_path, cfg.eval_split, "eval")
+    ]
+    for path, split, key in named:
         if path is None:
             continue
         local = Path(path).expanduser()
@@ -59,8 +62,30 @@ def _hidden(file: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in file.relative_to(root).parts)
 
 
-def load_split(path: str, split: str) -> datasets.Dataset:
-    """A split from a local json/jsonl/csv/parquet file or folder of them, or from the hub."""
+def load_source(source: SourceConfig, seed: int) -> datasets.Dataset:
+    """One source of the training data, its columns renamed to finetune's (`source.columns`) and its
+    `fraction` taken: whole copies, plus a seeded subset for the rest."""
+    dataset = load_split(source.path, source.split, source.subset)
+    missing = [theirs for theirs in source.columns.values() if theirs not in dataset.column_names]
+    if missing:
+        raise FinetuneError(
+            f"data.train source {source.path} has no column {', '.join(missing)} (its columns: "
+            f"{', '.join(dataset.column_names)}); fix its columns mapping"
+        )
+    renamed = {theirs: ours for ours, theirs in source.columns.items() if theirs != ours}
+    dataset = dataset.select_columns(
+        [c for c in dataset.column_names if c in renamed or c not in renamed.values()]
+    ).rename_columns(renamed)
+    whole, rest = int(source.fraction), source.fraction - int(source.fraction)
+    parts = [dataset] * whole
+    if rest > 0:
+        parts.append(dataset.shuffle(seed=seed).select(range(round(rest * len(dataset)))))
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def load_split(path: str, split: str, subset: str | None = None) -> datasets.Dataset:
+    """A split from a local json/jsonl/csv/parquet file or folder of them, or from the hub (of its
+    configuration `subset`, if given)."""
     local = Path(path).expanduser()
     try:
         if local.exists():
@@ -70,14 +95,14 @@ def load_split(path: str, split: str) -> datasets.Dataset:
             # full validation (Arrow, in C++) finds it now, and the message below says where it is.
             dataset.data.table.validate(full=True)
             return dataset
-        return datasets.load_dataset(path, split=split)
+        return datasets.load_dataset(path, subset, split=split)
     except FinetuneError:
         raise
     except Exception as exc:  # datasets raises many types for missing files, bad JSON, no network
         where = _locate_problem(local) if local.exists() else None
         raise FinetuneError(
             f"cannot load dataset {path!r} split {split!r}: {where or first_line(exc)}; check data.train_path / "
-            "data.eval_path"
+            "data.train / data.eval_path"
         ) from None
 
 

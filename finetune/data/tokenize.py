@@ -11,7 +11,7 @@ import functools
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from finetune.config import DataConfig
+from finetune.config import DataConfig, SourceConfig
 from finetune.data.chat import MultiTurn, describe, encode_rendered, render_chats
 from finetune.errors import FinetuneError
 
@@ -95,10 +95,24 @@ def _tokenize_batch(
     return out
 
 
-def tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> datasets.Dataset:
-    """Tokenize and mask every sample (cached by `datasets` under the fingerprint of data and settings)."""
+def tokenize(
+    dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, source: SourceConfig | None = None
+) -> datasets.Dataset:
+    """Tokenize and mask every sample (cached by `datasets` under the fingerprint of data and settings).
+    `source`, the mixture's source this dataset is, is named in data errors."""
+    try:
+        return _tokenize(dataset, tokenizer, cfg)
+    except FinetuneError as exc:
+        if source is None:
+            raise
+        raise FinetuneError(f"data.train source {source.path}: {exc}") from None
+
+
+def _tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> datasets.Dataset:
     if len(dataset) == 0:
-        raise FinetuneError("the dataset is empty; point data.train_path at a file with samples")
+        raise FinetuneError(
+            "the dataset is empty; point data.train_path (or the data.train source) at a file with samples"
+        )
     fmt = detect_format(dataset.column_names, cfg.format)
     if fmt == "chat" and not tokenizer.chat_template:
         raise FinetuneError(
