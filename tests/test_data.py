@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import datasets
@@ -307,3 +308,20 @@ def test_bad_mixtures_name_the_source(tmp_path, tokenizer):
     cfg = DataConfig(train=[source, source], max_length=32)
     with pytest.raises(FinetuneError, match=f"data.train source {data}: sample 0 has no assistant message"):
         prepare_split([(s, load_source(s, seed=0)) for s in cfg.sources()], tokenizer, cfg, seed=0)
+
+
+def test_large_data_is_tokenized_in_parallel_with_the_same_result(tokenizer, monkeypatch):
+    tokenize_module = importlib.import_module("finetune.data.tokenize")  # the package exports its function
+
+    assert tokenize_module.map_processes(10_000) is None
+    monkeypatch.setattr(tokenize_module.os, "cpu_count", lambda: 16)
+    assert tokenize_module.map_processes(60_000) == 2 and tokenize_module.map_processes(10**6) == 8
+    data = datasets.Dataset.from_list(
+        [{"messages": chat(("user", f"reverse: {i} 7"), ("assistant", f"7 {i}"))} for i in range(300)]
+    )
+    cfg = DataConfig(train_path="x", max_length=32)
+    serial = tokenize(data, tokenizer, cfg)
+    monkeypatch.setattr(tokenize_module, "_PARALLEL_FROM", 100)
+    assert tokenize_module.map_processes(len(data)) == 6
+    parallel = tokenize(data, tokenizer, cfg)
+    assert parallel.to_dict() == serial.to_dict()

@@ -7,6 +7,7 @@ sample to predict the next.
 from __future__ import annotations
 
 import functools
+import os
 
 import datasets
 from transformers import PreTrainedTokenizerBase
@@ -129,5 +130,19 @@ def _tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg
         train_on_reasoning=cfg.train_on_reasoning,
     )
     return dataset.map(
-        encode, batched=True, with_indices=True, remove_columns=dataset.column_names, desc=f"tokenizing ({fmt})"
-    )
+        encode, batched=True, with_indices=True, remove_columns=dataset.column_names, desc=f"tokenizing ({fmt})",
+        num_proc=map_processes(len(dataset)),
+    )  # fmt: skip
+
+
+def map_processes(num_samples: int) -> int | None:
+    """Worker processes for tokenizing `num_samples` samples: none below 50,000 (starting workers costs
+    more than it saves), else one per 25,000 samples up to half the CPUs (the others run training's
+    data-loading and the tokenizer's own threads)."""
+    if num_samples < _PARALLEL_FROM:
+        return None
+    workers = min(num_samples // (_PARALLEL_FROM // 2), (os.cpu_count() or 2) // 2)
+    return workers if workers > 1 else None
+
+
+_PARALLEL_FROM = 50_000
