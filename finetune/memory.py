@@ -28,6 +28,7 @@ FIELDS = (
     "activations",
     "step_peak",
     "unsharded_parameters",
+    "trainable_parameters",
 )
 
 
@@ -48,6 +49,8 @@ class MemoryReport:
     peak; on CPU the resident-set high-water mark (reset through /proc/self/clear_refs)."""
     unsharded_parameters: int = 0
     """Bytes of all the model's parameters, unsharded: what one rank holds without sharding."""
+    trainable_parameters: int = 0
+    """Of `parameters`, the bytes of those that train (with adapters, the adapters'; else all)."""
     dtypes: dict[str, str] = field(default_factory=dict)
 
 
@@ -94,6 +97,7 @@ class MemoryProbe:
         params = list(self.model.parameters())
         report = self.report
         report.parameters = sum(_local_bytes(p) for p in params)
+        report.trainable_parameters = sum(_local_bytes(p) for p in params if p.requires_grad)
         report.gradients = sum(_local_bytes(p.grad) for p in params if p.grad is not None)
         states = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
         report.optimizer_state = sum(_local_bytes(t) for t in states)
@@ -127,14 +131,18 @@ def format_reports(reports: list[MemoryReport]) -> str:
     """A table of MiB per rank, with each column's ratio to the unsharded parameter bytes."""
     mib = 2**20
     unsharded = reports[0].unsharded_parameters / mib
+    # With adapters the parameters split into trainable and frozen: gradients and optimizer state exist for the first.
+    partial = any(r.trainable_parameters < r.parameters for r in reports)
+    trainable_header = f" {'trainable':>10} {'frozen':>10}" if partial else ""
     lines = [
         f"memory per rank in step 1, measured on the local tensors (MiB; all parameters unsharded: {unsharded:.1f})",
-        f"{'rank':>4} {'params':>10} {'grads':>10} {'optimizer':>10} {'params@fwd':>11}",
+        f"{'rank':>4} {'params':>10}{trainable_header} {'grads':>10} {'optimizer':>10} {'params@fwd':>11}",
     ]
     for rank, r in enumerate(reports):
+        split = f" {r.trainable_parameters / mib:>10.1f} {(r.parameters - r.trainable_parameters) / mib:>10.1f}"
         lines.append(
-            f"{rank:>4} {r.parameters / mib:>10.1f} {r.gradients / mib:>10.1f} {r.optimizer_state / mib:>10.1f} "
-            f"{r.parameters_after_forward / mib:>11.1f}"
+            f"{rank:>4} {r.parameters / mib:>10.1f}{split if partial else ''} {r.gradients / mib:>10.1f} "
+            f"{r.optimizer_state / mib:>10.1f} {r.parameters_after_forward / mib:>11.1f}"
         )
     dtypes = reports[0].dtypes
     lines.append(

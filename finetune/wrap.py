@@ -25,6 +25,9 @@ class Unit:
     class_name: str
     numel_global: int
     numel_local: int
+    numel_trainable: int = -1
+    """Parameters of the unit that train (all of them in full fine-tuning; its adapters' with PEFT);
+    -1 where unknown (FSDP1's flat parameter)."""
 
 
 def validate_wrap_policy(plugin: FullyShardedDataParallelPlugin, model: torch.nn.Module) -> None:
@@ -110,8 +113,11 @@ def fsdp_units(model: torch.nn.Module) -> list[Unit]:
         own = [p for p in _managed_params(owner) if id(p) not in seen]
         seen.update(id(p) for p in own)
         units.append(
-            Unit(_base_class_name(owner), sum(p.numel() for p in own), sum(local_tensor(p).numel() for p in own))
-        )
+            Unit(
+                _base_class_name(owner), sum(p.numel() for p in own), sum(local_tensor(p).numel() for p in own),
+                sum(p.numel() for p in own if p.requires_grad),
+            )
+        )  # fmt: skip
     return units
 
 
@@ -149,11 +155,23 @@ def _base_class_name(module: torch.nn.Module) -> str:
 
 def format_wrap_plan(units: list[Unit]) -> str:
     """A table of the units by class: how many, and parameters per unit."""
-    by_class: dict[str, list[int]] = {}
+    by_class: dict[str, list[Unit]] = {}
     for unit in units:
-        by_class.setdefault(unit.class_name, []).append(unit.numel_global)
-    lines = [f"FSDP wrap plan: {len(units)} units, {sum(u.numel_global for u in units):,} parameters"]
-    for name, sizes in by_class.items():
-        each = f"{sizes[0]:,}" if len(set(sizes)) == 1 else f"{min(sizes):,}-{max(sizes):,}"
-        lines.append(f"  {name:<28} x{len(sizes):<4} {each} params each")
+        by_class.setdefault(unit.class_name, []).append(unit)
+    total, trainable = sum(u.numel_global for u in units), sum(u.numel_trainable for u in units)
+    # With adapters (some parameters frozen), each unit says how many of its parameters train.
+    partial = 0 <= trainable < total
+    lines = [
+        f"FSDP wrap plan: {len(units)} units, {total:,} parameters"
+        + (f" ({trainable:,} trainable, {total - trainable:,} frozen)" if partial else "")
+    ]
+    for name, members in by_class.items():
+        line = f"  {name:<28} x{len(members):<4} {_range([u.numel_global for u in members])} params each"
+        if partial:
+            line += f", {_range([u.numel_trainable for u in members])} trainable"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def _range(sizes: list[int]) -> str:
+    return f"{sizes[0]:,}" if len(set(sizes)) == 1 else f"{min(sizes):,}-{max(sizes):,}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -56,6 +57,21 @@ def test_checkpoints_hold_the_adapters_and_never_the_base(lora_run, one_process_
     assert "adapters, their gradients and AdamW state in float32, gradients reduced in float32" in lora_run.log
     full = one_process_run.output_dir / "checkpoints" / "step_8"
     assert folder_bytes(checkpoint) < folder_bytes(full) / 2
+
+
+def test_wrap_plan_and_memory_report_tell_trainable_from_frozen(lora_run):
+    trainable = int(re.search(r"adapters: ([\d,]+) trainable parameters", lora_run.log).group(1).replace(",", ""))
+    plan = re.search(
+        r"FSDP wrap plan: \d+ units, [\d,]+ parameters \(([\d,]+) trainable, [\d,]+ frozen\)", lora_run.log
+    )
+    assert plan and int(plan.group(1).replace(",", "")) == trainable
+    assert re.search(r"LlamaDecoderLayer +x4 +[\d,]+ params each, [\d,]+ trainable", lora_run.log)
+    assert re.search(r"rank +params +trainable +frozen +grads", lora_run.log)
+    (measured,) = [m for m in lora_run.metrics() if "memory/rank0/parameters" in m]
+    for rank in (0, 1):
+        held = measured[f"memory/rank{rank}/trainable_parameters"]
+        assert 0 < held < measured[f"memory/rank{rank}/parameters"] / 10
+        assert measured[f"memory/rank{rank}/gradients"] == held  # gradients exist for the adapters only
 
 
 def test_the_exported_adapter_loads_with_peft_and_gives_the_trained_logits(lora_run, demo_assets):
