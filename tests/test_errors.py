@@ -104,7 +104,8 @@ def test_a_data_error_under_two_processes_is_one_line(tmp_path, demo_assets):
     """Rank 0 finds the bad sample; rank 1 must stop with it, not with a gloo traceback through our frames."""
     data = tmp_path / "chat.jsonl"
     good = (demo_assets / "data" / "train.jsonl").read_text().splitlines()[:20]
-    data.write_text("\n".join(good) + "\n" + json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n")
+    reply = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    data.write_text("\n".join(good) + "\n" + json.dumps({"messages": reply}) + "\n")
     data.write_text(data.read_text() + json.dumps({"messages": [{"role": "assistant"}]}) + "\n")
     output_dir = tmp_path / "out"
     result = launch("fsdp2_full_shard.yaml", recipe_overrides(demo_assets, output_dir, **{"data.train_path": data}))
