@@ -10,7 +10,7 @@ what the test suite runs to prove the scripts work (it asserts no timing).
 
 Comparisons (2 CPU processes over gloo unless stated):
   loop_overhead    finetune's loop vs a hand-written FSDP2 loop (bench/handwritten_fsdp2.py): steps/s
-  trainer          target tokens/s of finetune (DDP and FSDP2) vs transformers.Trainer (DDP) on chat data
+  trainer          target tokens/s of finetune (DDP and FSDP2) vs transformers.Trainer and TRL SFTTrainer (DDP)
   export           `finetune export` vs `accelerate merge-weights` on one SHARDED checkpoint: time, peak RSS
   checkpoint_save  seconds the loop is blocked by a save: SHARDED vs FULL state dict
   scaling          step time and per-rank memory: 3 sizes x 1/2 processes x full shard/shard-grad-op/DDP
@@ -192,10 +192,16 @@ class Bench:
         return _ratio("steps_per_second", "finetune", ours, "handwritten_fsdp2", theirs, target=0.97, size=size)
 
     def trainer(self) -> dict:
-        """Target tokens/s on variable-length chat samples: finetune (packed) vs Trainer (padded)."""
+        """Target tokens/s on variable-length chat samples: finetune (packed) vs Trainer (padded) and vs
+        TRL's SFTTrainer (packed, padding-free; bench/trl_sft.py with every weight trained)."""
         size = self.train_size
         model = self.model(size)
-        results: dict[str, list[float]] = {"finetune_ddp": [], "finetune_fsdp2": [], "trainer_ddp": []}
+        results: dict[str, list[float]] = {
+            "finetune_ddp": [],
+            "finetune_fsdp2": [],
+            "trainer_ddp": [],
+            "trl_sft_ddp": [],
+        }
         for repeat in range(self.repeats):
             for name, config in (("finetune_ddp", "ddp.yaml"), ("finetune_fsdp2", "fsdp2_full_shard.yaml")):
                 metrics = self.finetune_run(f"{name}-{repeat}", size, config)
@@ -208,6 +214,14 @@ class Bench:
             ])  # fmt: skip
             trainer = json.loads(out.read_text())
             results["trainer_ddp"].append(_steady_rate(trainer["target_tokens"], trainer["step_seconds"]))
+            out = self.work / "runs" / f"trl-full-{repeat}.json"
+            _run([
+                sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(_free_port()), str(REPO / "bench" / "trl_sft.py"), str(model), str(self.data), str(self.steps),
+                "8", "128", "0", str(out),
+            ])  # fmt: skip
+            trl = json.loads(out.read_text())
+            results["trl_sft_ddp"].append(_steady_rate(trl["target_tokens"], trl["step_seconds"]))
         medians = {name: statistics.median(values) for name, values in results.items()}
         return {
             "metric": "target_tokens_per_second",
@@ -217,6 +231,9 @@ class Bench:
             "ratio_ddp": medians["finetune_ddp"] / medians["trainer_ddp"],
             "ratio_fsdp2": medians["finetune_fsdp2"] / medians["trainer_ddp"],
             "target": 1.3,
+            "ratio_trl_ddp": medians["finetune_ddp"] / medians["trl_sft_ddp"],
+            "trl_version": _version("trl"),
+            "target_trl": 1.1,
         }
 
     def checkpoint_save(self) -> dict:
@@ -565,6 +582,9 @@ def markdown(results: dict) -> str:
         f"| target tokens/s vs Trainer DDP ({trainer['size']}) | DDP {trainer['median']['finetune_ddp']:.0f}, "
         f"FSDP2 {trainer['median']['finetune_fsdp2']:.0f} | {trainer['median']['trainer_ddp']:.0f} | "
         f"DDP {trainer['ratio_ddp']:.2f}x, FSDP2 {trainer['ratio_fsdp2']:.2f}x | >= {trainer['target']}x |",
+        f"| target tokens/s vs TRL SFTTrainer {trainer['trl_version']} (packing, padding-free; {trainer['size']}, "
+        f"DDP) | {trainer['median']['finetune_ddp']:.0f} | {trainer['median']['trl_sft_ddp']:.0f} | "
+        f"{trainer['ratio_trl_ddp']:.2f}x | >= {trainer['target_trl']}x |",
         f"| export time, s ({export['size']}) | {export['median']['finetune_export']['seconds']:.1f} | "
         f"{export['median']['accelerate_merge_weights']['seconds']:.1f} (merge-weights) | "
         f"{export['time_ratio_vs_merge_weights']:.2f} | <= 1 |",

@@ -1,4 +1,4 @@
-"""The LoRA peer: TRL's `SFTTrainer` with PEFT adapters, DDP, on the same chat data.
+"""The TRL peer: `SFTTrainer` (with PEFT adapters, or full fine-tuning), DDP, on the same chat data.
 
     torchrun --nproc_per_node 2 bench/trl_sft.py MODEL_DIR DATA.jsonl STEPS MICRO_BATCH MAX_LENGTH RANK OUT.json
 
@@ -6,8 +6,9 @@ Set up as TRL's own documentation advises for speed: packing (best-fit decreasin
 MAX_LENGTH tokens with padding-free batches. Samples are given already tokenized and masked exactly as
 finetune does (`finetune.data.encode_chats`: loss on assistant turns), as `input_ids` plus TRL's
 `completion_mask`, so both train on the same target tokens. LoRA on every linear layer with rank RANK,
-alpha 2 x RANK, no dropout: what the finetune side runs. Like `trainer_ddp.py`, it writes the wall time
-and the target tokens (positions with a label, counted over all processes) of every step.
+alpha 2 x RANK, no dropout: what the finetune side runs; RANK 0 trains every weight instead. Like
+`trainer_ddp.py`, it writes the wall time and the target tokens (positions with a label, counted over
+all processes) of every step.
 """
 
 from __future__ import annotations
@@ -70,9 +71,11 @@ def main(model_dir: str, data_path: str, steps: int, micro_batch: int, max_lengt
         report_to=[], logging_steps=steps, dataloader_num_workers=0, seed=0, max_length=max_length, packing=True,
         padding_free=True, completion_only_loss=True,
     )  # fmt: skip
-    lora = LoraConfig(
-        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
-    )
+    lora = None
+    if rank > 0:
+        lora = LoraConfig(
+            r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+        )
     clock = StepClock()
     trainer = SFTTrainer(
         model=model, args=arguments, train_dataset=train, processing_class=tokenizer, peft_config=lora,

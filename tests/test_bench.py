@@ -37,7 +37,10 @@ def test_make_bench_runs_every_comparison(tmp_path):
     assert any(name.endswith("-loss.png") for name in results["_files"])
     assert any(name.endswith("-memory.png") for name in results["_files"])
     assert positive(results["loop_overhead"]["ratio"])
-    assert all(positive(v) for v in results["trainer"]["median"].values())
+    assert (
+        all(positive(v) for v in results["trainer"]["median"].values())
+        and "trl_sft_ddp" in results["trainer"]["median"]
+    )
     assert positive(results["export"]["median"]["finetune_export"]["peak_rss_bytes"])
     assert positive(results["export"]["median"]["accelerate_merge_weights"]["seconds"])
     assert results["checkpoint_save"]["runs"]["sharded"] and results["checkpoint_save"]["runs"]["full"]

@@ -6,6 +6,7 @@ dropped), so a malformed sample is refused with its index instead of being train
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import json
@@ -62,13 +63,22 @@ def encode_rendered(
     encodings = tokenizer([s.text for s in samples], add_special_tokens=False, return_offsets_mapping=True)
     encoded = []
     for sample, ids, offsets in zip(samples, encodings["input_ids"], encodings["offset_mapping"], strict=True):
-        reasoning = [any(lo <= start < hi for lo, hi in sample.reasoning) for start, _ in offsets]
-        trained = [
-            any(lo <= start < hi for lo, hi in sample.spans) and (train_on_reasoning or not thinking)
-            for (start, _), thinking in zip(offsets, reasoning, strict=True)
-        ]
-        encoded.append(EncodedChat(ids, trained, sample.expanded, sum(reasoning)))
+        starts = [start for start, _ in offsets]  # each token's first character, in increasing order
+        trained = [False] * len(ids)
+        for first, last in _token_ranges(starts, sample.spans):
+            trained[first:last] = [True] * (last - first)
+        reasoning = _token_ranges(starts, sample.reasoning)
+        if not train_on_reasoning:
+            for first, last in reasoning:
+                trained[first:last] = [False] * (last - first)
+        encoded.append(EncodedChat(ids, trained, sample.expanded, sum(last - first for first, last in reasoning)))
     return encoded
+
+
+def _token_ranges(starts: list[int], spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The tokens whose first character lies in each character span, as [first, last) token ranges:
+    found by bisection, so that masking costs per span, not per token in Python."""
+    return [(bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)) for lo, hi in spans]
 
 
 def render_chats(

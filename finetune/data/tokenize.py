@@ -89,10 +89,10 @@ def _tokenize_batch(
         out["truncated"].append(len(ids) > max_length)
         ids, trained = ids[:max_length], trained[:max_length]
         # target_ids[i] is the token after input_ids[i] when that token is trained; the last has no successor.
-        targets = [ids[i + 1] if trained[i + 1] else IGNORE for i in range(len(ids) - 1)] + [IGNORE]
+        targets = [token if train else IGNORE for token, train in zip(ids[1:], trained[1:], strict=True)] + [IGNORE]
         out["input_ids"].append(ids)
         out["target_ids"].append(targets)
-        out["num_targets"].append(sum(target != IGNORE for target in targets))
+        out["num_targets"].append(len(targets) - targets.count(IGNORE))
     return out
 
 
