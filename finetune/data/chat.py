@@ -1,7 +1,11 @@
-"""Conversations -> token ids with the assistant turns marked for training.
+"""Conversations -> token ids with the assistant replies marked for training.
 
 Every conversation is checked and normalized first (content parts become text, null keys are
-dropped), so a malformed sample is refused with its index instead of being trained as a repr.
+dropped, tools parsed), so a malformed sample is refused with its index instead of being trained
+as a repr. It is then rendered by the chat template, and its replies are located in the text by
+rendering it a second time with placeholders in their place (`render_chats`), which works for
+templates that rewrite the conversation; character spans become token masks through the fast
+tokenizer's offsets (`encode_rendered`).
 """
 
 from __future__ import annotations
