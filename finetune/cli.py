@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from finetune.errors import FinetuneError
@@ -56,9 +57,14 @@ def main(argv: list[str] | None = None) -> int:
 
             demo.build(args.dir) if args.action == "build" else demo.report(args.dir, args.run)
     except FinetuneError as exc:
-        # Every rank hits the same user error; one copy of the message is enough.
+        # Every rank hits the same user error; one copy of the message is enough, and rank 0 prints it.
+        # torch's launcher stops all workers as soon as one exits with an error, so the others give rank 0
+        # time to print first; one still running after that hit an error of its own, and says so.
         if _rank() == 0:
             print(f"finetune: error: {exc}", file=sys.stderr)
+        else:
+            time.sleep(_PEER_GRACE_SECONDS)
+            print(f"finetune: error on rank {_rank()}: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
         from finetune.distributed import lost_peer
@@ -69,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"finetune: rank {_rank()} stopped: another process ended first (see its message)", file=sys.stderr)
         return 1
     return 0
+
+
+_PEER_GRACE_SECONDS = 10
 
 
 def _rank() -> int:
