@@ -356,10 +356,7 @@ class Bench:
         _, overhead = _timed_peak_rss(
             [sys.executable, "-m", "finetune", "export", str(tiny_checkpoint), str(overhead_out)]
         )
-        median = {
-            name: {key: statistics.median(r[key] for r in values) for key in values[0]}
-            for name, values in runs.items()
-        }
+        median = _medians(runs)
         ours = median["finetune_export"]
         return {
             "size": size.name,
@@ -388,10 +385,7 @@ class Bench:
                     "checkpoint_bytes": sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file()),
                     **{key.split("/")[-1]: value for key, value in metrics["memory"].items()},
                 })  # fmt: skip
-        median = {
-            name: {key: statistics.median(r[key] for r in values) for key in values[0]}
-            for name, values in runs.items()
-        }
+        median = _medians(runs)
         full, lora = median["full"], median["lora"]
         return {
             "size": size.name,
@@ -455,10 +449,7 @@ class Bench:
                 shutil.rmtree(out, ignore_errors=True)
                 seconds, peak = _timed_peak_rss(command(out))
                 runs[name].append({"seconds": seconds, "peak_rss_bytes": peak})
-        median = {
-            name: {key: statistics.median(r[key] for r in values) for key in values[0]}
-            for name, values in runs.items()
-        }
+        median = _medians(runs)
         ours, theirs = median["finetune_export_merge"], median["peft_merge_and_unload"]
         return {
             "size": size.name,
@@ -507,6 +498,13 @@ def _metrics(path: Path) -> dict:
         "target_tokens": [e["target_tokens"] for e in steps],
         "checkpoint_seconds": [e["checkpoint_seconds"] for e in entries if "checkpoint_seconds" in e],
         "memory": {k: v for k, v in memory.items() if k.startswith("memory/rank0/")},
+    }
+
+
+def _medians(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per contender, the median of each measured field over its repetitions."""
+    return {
+        name: {key: statistics.median(r[key] for r in values) for key in values[0]} for name, values in runs.items()
     }
 
 

@@ -10,14 +10,13 @@ time and the target (non-masked) tokens of every step, counted over all processe
 
 from __future__ import annotations
 
-import gc
-import json
 import sys
 import time
 
 import datasets
 import torch
 import torch.distributed as dist
+from peers import close_ddp, write_steps
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -100,15 +99,9 @@ def main(model_dir: str, data_path: str, steps: int, micro_batch: int, out_path:
     )
     trainer = Trainer(model=model, args=arguments, train_dataset=train, data_collator=collator, callbacks=[clock])
     trainer.train()
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as file:
-            json.dump({"step_seconds": clock.step_seconds, "target_tokens": clock.target_tokens}, file)
-    # Free DDP before the group goes, with every rank in step: a rank that exits while DDP's gloo
-    # threads still run aborts ("terminate called without an active exception").
-    del trainer, model
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    write_steps(out_path, clock.step_seconds, clock.target_tokens)
+    del trainer, model  # before the process group goes (close_ddp)
+    close_ddp()
 
 
 if __name__ == "__main__":

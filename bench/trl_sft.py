@@ -13,14 +13,13 @@ all processes) of every step.
 
 from __future__ import annotations
 
-import gc
-import json
 import sys
 import time
 
 import datasets
 import torch
 import torch.distributed as dist
+from peers import close_ddp, write_steps
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
@@ -84,14 +83,9 @@ def main(model_dir: str, data_path: str, steps: int, micro_batch: int, max_lengt
     collate = trainer.data_collator
     trainer.data_collator = lambda features: clock.count(collate(features))
     trainer.train()
-    if dist.get_rank() == 0:
-        with open(out, "w") as file:
-            json.dump({"step_seconds": clock.step_seconds, "target_tokens": clock.target_tokens}, file)
-    # As in trainer_ddp.py: free DDP with every rank in step before the process group goes.
-    del trainer, model
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    write_steps(out, clock.step_seconds, clock.target_tokens)
+    del trainer, model  # before the process group goes (close_ddp)
+    close_ddp()
 
 
 if __name__ == "__main__":
