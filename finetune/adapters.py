@@ -109,7 +109,7 @@ def check_adapter_launch(quantization: str = "none", model_dtype: str = "float32
 def describe_adapters(model: torch.nn.Module) -> str:
     """The log line of an adapter run: how many parameters train and how many are frozen (4-bit
     weights counted as the weights they stand for, not as their packed storage)."""
-    packed = {id(m.weight): 2 * m.weight.element_size() for m in model.modules() if type(m).__name__ == "Linear4bit"}
+    packed = _packed_4bit(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() * packed.get(id(p), 1) for p in model.parameters() if not p.requires_grad)
     in_4bit = sum(p.numel() * packed[id(p)] for p in model.parameters() if id(p) in packed)
@@ -121,7 +121,7 @@ def adapter_precision(model: torch.nn.Module, mixed_precision: str) -> str:
     """The precision line of an adapter run: the frozen base, its 4-bit weights, and the adapters.
     Adapters are fp32 parameters, so their gradients and AdamW state are fp32, and so is the gradient
     reduction (FSDP2: finetune's mixed-precision policy; DDP: the gradients' own dtype)."""
-    packed = {id(m.weight) for m in model.modules() if type(m).__name__ == "Linear4bit"}
+    packed = _packed_4bit(model)
     base = _dtypes([p for p in model.parameters() if not p.requires_grad and id(p) not in packed])
     adapters = _dtypes([p for p in model.parameters() if p.requires_grad])
     compute = {"bf16": "bfloat16", "fp16": "float16"}.get(mixed_precision)
@@ -131,6 +131,11 @@ def adapter_precision(model: torch.nn.Module, mixed_precision: str) -> str:
         line += f", its linear weights in 4 bits (nf4, packed in {storage} storage, dequantized to compute)"
     line += f"; adapters, their gradients and AdamW state in {adapters}, gradients reduced in {adapters}; "
     return line + (f"compute in {compute}" if compute else f"adapters compute in {adapters}, the base in {base}")
+
+
+def _packed_4bit(model: torch.nn.Module) -> dict[int, int]:
+    """The 4-bit weights (by id) and how many weights each stored element packs: 2 per byte of storage."""
+    return {id(m.weight): 2 * m.weight.element_size() for m in model.modules() if type(m).__name__ == "Linear4bit"}
 
 
 def _dtypes(params: list[torch.Tensor]) -> str:

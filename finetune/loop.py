@@ -449,17 +449,22 @@ def _log_setup(
         return
     processes = accelerator.num_processes
     global_batch = recipe.train.micro_batch_size * recipe.train.gradient_accumulation_steps * processes
+    if recipe.peft is not None:
+        from finetune.adapters import adapter_precision
+
+        precision = adapter_precision(model, accelerator.mixed_precision)
+    else:
+        precision = precision_policy(accelerator, DTYPES[recipe.model.dtype], next(model.parameters()).dtype)
     lines = [
         f"strategy: {strategy_name(accelerator)} on {accelerator.device.type}",
-        precision_policy(accelerator, DTYPES[recipe.model.dtype], next(model.parameters()).dtype),
+        precision,
         f"batch: {recipe.train.micro_batch_size} x {recipe.train.gradient_accumulation_steps} accumulation x "
         f"{processes} processes = {global_batch} sequences per step, {max_steps} steps",
         data.train_stats.describe("train data"),
     ]
     if recipe.peft is not None:
-        from finetune.adapters import adapter_precision, describe_adapters
+        from finetune.adapters import describe_adapters
 
-        lines[1] = adapter_precision(model, accelerator.mixed_precision)
         lines.insert(2, describe_adapters(model))
     if data.eval_stats is not None:
         lines.append(data.eval_stats.describe("eval data"))
