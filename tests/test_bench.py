@@ -50,7 +50,10 @@ def test_make_bench_runs_every_comparison(tmp_path):
     # Sharding is visible in the measured memory: full shard holds half of DDP's parameters per rank.
     rows = {r["strategy"]: r for r in results["scaling"]["rows"] if r["processes"] == 2}
     assert rows["full_shard"]["rank0_bytes"]["parameters"] < 0.6 * rows["ddp"]["rank0_bytes"]["parameters"]
-    assert all(positive(v) for v in results["data_pipeline"]["rate"].values())
+    data = results["data_pipeline"]
+    assert set(data["sets"]) == {"short", "long"} and data["sets"]["long"]["tokens_per_sample"] > 1000
+    assert all(positive(s) for d in data["sets"].values() for s in d["seconds"].values())
+    assert all(positive(v) for v in data["pack_rate"].values())
     # Adapters: a LoRA checkpoint holds a fraction of a full one; the peers ran and were measured.
     lora = results["lora_vs_full"]
     assert lora["checkpoint_bytes_ratio"] < 0.5 and positive(lora["step_time_ratio"])

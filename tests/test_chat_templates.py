@@ -349,3 +349,66 @@ def test_reasoning_can_be_kept_as_context_only_and_is_counted(base_tokenizer):
     assert [rendered.text[a:b] for a, b in rendered.reasoning] == ["swap them"]
     [(ids, trained_mask)] = encode_chats([messages], phi3, True)
     assert "swap them" in phi3.decode([i for i, t in zip(ids, trained_mask, strict=True) if t])  # trained by default
+
+
+CONVERSATIONS = {
+    "plain": turns(("user", "reverse: 1 2"), ("assistant", "2 1"), ("user", "and 3 4"), ("assistant", "4 3")),
+    "system, spaces": SYSTEM_MULTI_TURN,
+    "reasoning": turns(("user", "q"), ("assistant", "<think>hmm</think>a"), ("user", "q2"), ("assistant", "b")),
+    "reasoning field": [*turns(("user", "q")), {"role": "assistant", "content": "a", "reasoning_content": "hmm"}],
+    "tools": TOOL_CHAT,
+}
+
+
+def test_the_skeleton_path_locates_replies_exactly_as_the_placeholder_rendering_does(base_tokenizer):
+    """Replies are located from one skeleton per conversation structure when the template copies texts as
+    they are (`_filled_spans`); each such result equals the reference's (`_reply_spans`, which renders each
+    conversation again with placeholders), and templates that trim or rewrite texts fall back to it."""
+    from finetune.data.chat import _Chat, _filled_spans, _reply_spans, _skeletons, chat_messages, template_shape
+
+    fast = set()
+    for family in FAMILIES:
+        tokenizer = family_tokenizer(base_tokenizer, family)
+        for name, conversation in CONVERSATIONS.items():
+            tools = [WEATHER] if name == "tools" else None
+            chat = _Chat(tokenizer, chat_messages(conversation, 0), tools, 0)
+            try:
+                text = chat.render()
+            except FinetuneError:  # gemma-2 refuses system roles
+                continue
+            [(skeleton, values)] = _skeletons([chat])
+            replies = [i for i, message in enumerate(chat.messages) if message["role"] == "assistant"]
+            for trained in (replies, replies[-1:]):
+                located = _filled_spans(skeleton, values, template_shape(tokenizer), trained, text)
+                if located is not None and trained == replies:
+                    fast.add((family, name))
+                if located is not None:
+                    assert located == _reply_spans(chat, template_shape(tokenizer), trained, text), (family, name)
+    # Without surrounding spaces, trimming changes nothing: every template but the one that drops earlier
+    # replies takes the skeleton path.
+    assert {family for family, name in fast if name == "plain"} == set(FAMILIES) - {"last-reply-only"}
+    assert ("llama-3.1", "system, spaces") not in fast  # trimmed texts: located by the reference path
+    assert ("qwen-3", "reasoning field") in fast and ("tools", "tools") in fast
+
+
+def test_trained_tokens_are_found_from_character_spans_as_by_bisecting_every_offset(base_tokenizer):
+    """Spans map to tokens through the encoding's char_to_token at their bounds; the reference converts
+    every token's offsets and bisects. Texts with merges across the bounds, multi-byte characters split
+    into byte tokens, and special tokens."""
+    import bisect
+    import random
+
+    from finetune.data.chat import _FirstToken
+
+    tokenizer = family_tokenizer(base_tokenizer, "qwen-2.5")
+    generator = random.Random(0)
+    pieces = ["reverse", " 1", "2 ", "  ", "\n", "é", "🙂", "漢字", "<|im_start|>", "<|im_end|>", "a", "ab "]
+    for _ in range(200):
+        text = "".join(generator.choice(pieces) for _ in range(generator.randint(1, 12)))
+        bounds = sorted(generator.randint(0, len(text)) for _ in range(4))
+        spans = [(bounds[0], bounds[1]), (bounds[2], bounds[3])]
+        encoded = tokenizer([text], add_special_tokens=False, return_offsets_mapping=True)
+        starts = [start for start, _ in encoded["offset_mapping"][0]]
+        expected = [(bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)) for lo, hi in spans]
+        first_token = _FirstToken(encoded.encodings[0], len(starts), len(text))
+        assert first_token.ranges(spans) == expected, (text, spans)

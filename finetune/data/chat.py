@@ -10,10 +10,10 @@ tokenizer's offsets (`encode_rendered`).
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -40,10 +40,18 @@ class RenderedChat:
 @dataclass(frozen=True)
 class EncodedChat:
     ids: list[int]
-    trained: list[bool]
+    ranges: list[tuple[int, int]]
+    """The trained tokens, as sorted [first, last) ranges: the targets are built from them by slicing."""
     expanded: bool
     reasoning_tokens: int
     """Tokens of reasoning in the replies, trained or not (`train_on_reasoning`)."""
+
+    @property
+    def trained(self) -> list[bool]:
+        trained = [False] * len(self.ids)
+        for first, last in self.ranges:
+            trained[first:last] = [True] * (last - first)
+        return trained
 
 
 def encode_chats(
@@ -63,26 +71,61 @@ def encode_rendered(
     samples: list[RenderedChat], tokenizer: PreTrainedTokenizerBase, train_on_reasoning: bool = True
 ) -> list[EncodedChat]:
     """Tokenize the rendered texts in one call (the fast tokenizer is entered once per batch) and map the
-    trained character spans to tokens through its offsets, so merges across turn boundaries cannot shift them."""
-    encodings = tokenizer([s.text for s in samples], add_special_tokens=False, return_offsets_mapping=True)
+    trained character spans to tokens through the encodings, so merges across turn boundaries cannot shift them."""
+    batch = tokenizer([s.text for s in samples], add_special_tokens=False)
     encoded = []
-    for sample, ids, offsets in zip(samples, encodings["input_ids"], encodings["offset_mapping"], strict=True):
-        starts = [start for start, _ in offsets]  # each token's first character, in increasing order
-        trained = [False] * len(ids)
-        for first, last in _token_ranges(starts, sample.spans):
-            trained[first:last] = [True] * (last - first)
-        reasoning = _token_ranges(starts, sample.reasoning)
+    for n, (sample, ids) in enumerate(zip(samples, batch["input_ids"], strict=True)):
+        first_token = _FirstToken(batch.encodings[n], len(ids), len(sample.text))
+        ranges, reasoning = first_token.ranges(sample.spans), first_token.ranges(sample.reasoning)
         if not train_on_reasoning:
-            for first, last in reasoning:
-                trained[first:last] = [False] * (last - first)
-        encoded.append(EncodedChat(ids, trained, sample.expanded, sum(last - first for first, last in reasoning)))
+            ranges = _without(ranges, reasoning)
+        encoded.append(EncodedChat(ids, ranges, sample.expanded, sum(last - first for first, last in reasoning)))
     return encoded
 
 
-def _token_ranges(starts: list[int], spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The tokens whose first character lies in each character span, as [first, last) token ranges:
-    found by bisection, so that masking costs per span, not per token in Python."""
-    return [(bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)) for lo, hi in spans]
+def _without(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted disjoint ranges less the sorted disjoint `holes`."""
+    kept = []
+    for first, last in ranges:
+        for hole_first, hole_last in holes:
+            if hole_first < last and hole_last > first:
+                if hole_first > first:
+                    kept.append((first, hole_first))
+                first = max(first, hole_last)
+        if first < last:
+            kept.append((first, last))
+    return kept
+
+
+class _FirstToken:
+    """The tokens of a text whose first character lies in character spans, asked of the fast tokenizer's
+    encoding for the few characters that bound the spans (converting every token's offsets to Python
+    costs a third of the tokenization of long texts)."""
+
+    def __init__(self, encoding: Any, tokens: int, characters: int):
+        self.encoding, self.tokens, self.characters = encoding, tokens, characters
+
+    def ranges(self, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Each span [lo, hi) of characters as the range [first, last) of the tokens that start in it."""
+        return [(self.at_or_after(lo), self.at_or_after(hi)) for lo, hi in spans]
+
+    def at_or_after(self, char: int) -> int:
+        """The first token that starts at or after `char` (the number of tokens if none does)."""
+        token, position = None, char
+        while token is None and position < self.characters:  # characters no token covers lead to the next
+            token = self.encoding.char_to_token(position)
+            position += 1
+        token = self.tokens if token is None else token
+        # A token can start before `char` (a merge across it), and several can share a character (byte pieces).
+        while token > 0 and self.start(token - 1) >= char:
+            token -= 1
+        while token < self.tokens and self.start(token) < char:
+            token += 1
+        return token
+
+    def start(self, token: int) -> int:
+        chars = self.encoding.token_to_chars(token)
+        return chars[0] if chars is not None else 0
 
 
 def render_chats(
@@ -110,36 +153,74 @@ def render_chats(
     indices = indices if indices is not None else list(range(len(conversations)))
     tools = tools if tools is not None else [None] * len(conversations)
     shape = template_shape(tokenizer)
-    rendered = []
     knows_reasoning = "reasoning_content" in (tokenizer.chat_template or "")
+    chats = []
     for messages, schemas, index in zip(conversations, tools, indices, strict=True):
         messages = chat_messages(messages, index)
         if knows_reasoning:
             messages = [_reasoning_apart(message) for message in messages]
-        chat = _Chat(tokenizer, messages, chat_tools(schemas, index), index)
-        text = chat.render()
-        if not completion_only:
-            rendered.append(RenderedChat(text, [(0, len(text))]))
-            continue
-        replies = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+        chats.append(_Chat(tokenizer, messages, chat_tools(schemas, index), index))
+    texts = _render_all(chats)
+    if not completion_only:
+        return [RenderedChat(text, [(0, len(text))]) for text in texts]
+    rendered = []
+    for chat, text, (skeleton, values) in zip(chats, texts, _skeletons(chats), strict=True):
+        replies = [i for i, message in enumerate(chat.messages) if message["role"] == "assistant"]
         if not replies:
             raise FinetuneError(
-                f"sample {index} has no assistant message to train on; remove it, or set "
+                f"sample {chat.index} has no assistant message to train on; remove it, or set "
                 "data.completion_only_loss=false to train on all of its text"
             )
         trained = replies[-1:] if multi_turn == "last" else replies
-        located = _reply_spans(chat, shape, trained, text)
+        located = _filled_spans(skeleton, values, shape, trained, text) if skeleton is not None else None
+        located = located or _reply_spans(chat, shape, trained, text)
         if located is not None:
             rendered.append(RenderedChat(text, located[0], reasoning=located[1]))
         elif multi_turn == "per_turn":
             rendered.extend(_per_turn(chat, shape, replies))
         else:
             raise FinetuneError(
-                f"sample {index}: the chat template renders this conversation so that its assistant replies cannot "
-                "be located in it; set data.multi_turn=per_turn (one sample per reply, each prompt as rendered for "
-                "generation) or data.multi_turn=last (its last reply only)"
+                f"sample {chat.index}: the chat template renders this conversation so that its assistant replies "
+                "cannot be located in it; set data.multi_turn=per_turn (one sample per reply, each prompt as "
+                "rendered for generation) or data.multi_turn=last (its last reply only)"
             )
     return rendered
+
+
+def _render_all(chats: list[_Chat]) -> list[str]:
+    """Each conversation's text, rendered in one `apply_chat_template` call per set of tools (the
+    per-call work of transformers is then paid once per batch, as a batched `datasets.map` pays it);
+    a refused batch is rendered again one conversation at a time, to name the sample the template refuses."""
+    texts = _render_batches([(chat.messages, chat.tools) for chat in chats], chats[0].tokenizer) if chats else []
+    return [text if text is not None else chat.render() for chat, text in zip(chats, texts, strict=True)]
+
+
+def _render_batches(
+    conversations: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]], tokenizer: PreTrainedTokenizerBase
+) -> list[str | None]:
+    """Render conversations (each with its tools) grouped by their tools; None where the template refuses one."""
+    groups: dict[str, list[int]] = {}
+    for n, (_, schemas) in enumerate(conversations):
+        groups.setdefault(json.dumps(schemas, sort_keys=True, default=str), []).append(n)
+    texts: list[str | None] = [None] * len(conversations)
+    for members in groups.values():
+        schemas = conversations[members[0]][1]
+        try:
+            batch = tokenizer.apply_chat_template(
+                [conversations[n][0] for n in members], tools=schemas, tokenize=False
+            )  # fmt: skip
+        except Exception:  # jinja2 errors or the template's raise_exception: find which conversations
+            batch = [_render_or_none(tokenizer, *conversations[n]) for n in members]
+        for n, text in zip(members, batch, strict=True):
+            texts[n] = text
+    return texts
+
+
+def _render_or_none(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: Any) -> str | None:
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    except Exception:  # the caller renders it again through _Chat.render, which names the sample
+        return None
 
 
 def _reasoning_apart(message: dict[str, Any]) -> dict[str, Any]:
@@ -370,9 +451,10 @@ def _reply_spans(
     inside them, or None when the template's rendering does not let them be located (see `render_chats`)."""
     placeholders = list(chat.messages)
     for k, i in enumerate(trained):
-        message = _with_placeholder(chat.messages[i], _SENTINEL.format(k))
-        if message is None:
+        replaced = _with_placeholder(chat.messages[i], _SENTINEL.format(k))
+        if replaced is None:
             return None
+        message = replaced[0]
         if str(message.get("reasoning_content") or "").strip():
             message = {**message, "reasoning_content": _SENTINEL.format(f"r{k}")}
         placeholders[i] = message
@@ -398,7 +480,7 @@ def _reply_spans(
     if not (text.startswith(segments[0]) and text.endswith(segments[-1])):
         return None
     # Where each placeholder's real text lies: between the template text before and after it.
-    regions: dict[tuple[str, int], tuple[int, int, int]] = {}  # (kind, reply) -> start, end, placeholder number
+    regions: _Regions = {}
     position, end_of_text = len(segments[0]), len(text) - len(segments[-1])
     for j, (_, kind, k, _) in enumerate(found):
         following = segments[j + 1]
@@ -407,8 +489,21 @@ def _reply_spans(
             return None
         regions[kind, k] = (position, end, j)
         position = end + len(following)
+    return _spans(text, segments, regions, shape, len(trained))
+
+
+_Regions = dict[tuple[str, int], tuple[int, int, int]]
+"""(kind, reply) -> where the reply's content ("reply") or reasoning lies in the text: start, end, and
+its number in the order the template wrote them (segments[number] is the template text before it)."""
+
+
+def _spans(
+    text: str, segments: list[str], regions: _Regions, shape: TemplateShape, replies: int
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The trained span of each reply, from its assistant header through its turn's end marker, and
+    the spans of the reasoning inside them."""
     spans, reasoning = [], []
-    for k in range(len(trained)):
+    for k in range(replies):
         first_start, _, first = min(regions[kind, k] for kind in ("reasoning", "reply") if (kind, k) in regions)
         start = first_start - len(segments[first]) + _reply_offset(segments[first], shape)
         content_start, content_end, j = regions["reply", k]
@@ -421,6 +516,90 @@ def _reply_spans(
     return spans, reasoning
 
 
+@dataclass(frozen=True)
+class _Skeleton:
+    """A conversation rendered with a placeholder in place of every message's content (and reasoning):
+    the template's text, which conversations of the same structure share, as pieces alternating
+    between template text and placeholder names (c<i> the content of message i, r<i> its reasoning)."""
+
+    pieces: list[str]
+
+
+_PLACEHOLDER = re.compile("\ue000([cr][0-9]+)\ue001")
+
+
+def _skeletons(chats: list[_Chat]) -> list[tuple[_Skeleton | None, dict[str, str]]]:
+    """The skeleton of each conversation, rendered once per distinct structure in the batch (roles,
+    tool calls, tools: everything but the texts), so that locating replies costs no second rendering
+    of each conversation (None where the template refuses the placeholders), and the texts that fill it."""
+    keys, fillings, structures = [], [], {}
+    for chat in chats:
+        messages, values = [], {}
+        for i, message in enumerate(chat.messages):
+            message, texts = _placeholders(message, i)
+            messages.append(message)
+            values.update(texts)
+        key = repr((messages, chat.tools))
+        structures.setdefault(key, (messages, chat.tools))
+        keys.append(key)
+        fillings.append(values)
+    rendered = _render_batches(list(structures.values()), chats[0].tokenizer) if chats else []
+    skeletons = {
+        key: _Skeleton(_PLACEHOLDER.split(text)) if text is not None else None
+        for key, text in zip(structures, rendered, strict=True)
+    }
+    return [(skeletons[key], values) for key, values in zip(keys, fillings, strict=True)]
+
+
+def _placeholders(message: dict[str, Any], i: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """Message i with placeholders in place of its texts, and the texts they stand for by placeholder name."""
+    values = {}
+    replaced = _with_placeholder(message, _SENTINEL.format(f"c{i}"))
+    if replaced is not None:
+        message, values[f"c{i}"] = replaced
+    reasoning = message.get("reasoning_content")
+    if isinstance(reasoning, str) and reasoning.strip():
+        message, values[f"r{i}"] = {**message, "reasoning_content": _SENTINEL.format(f"r{i}")}, reasoning
+    return message, values
+
+
+def _filled_spans(
+    skeleton: _Skeleton, values: dict[str, str], shape: TemplateShape, trained: list[int], text: str
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
+    """The replies' spans when the skeleton filled with the conversation's texts (`values`) is exactly
+    the rendered text (the template copies texts as they are: no trimming, no branching on them), each
+    placeholder then standing where its text lies; None otherwise, to locate them by `_reply_spans`."""
+    where: dict[str, list[tuple[int, int]]] = {}
+    parts, position = [], 0
+    for n, piece in enumerate(skeleton.pieces):
+        if n % 2:
+            if piece not in values:  # a placeholder-like text the data itself carried into the skeleton
+                return None
+            where.setdefault(piece, []).append((position, position + len(values[piece])))
+            piece = values[piece]
+        parts.append(piece)
+        position += len(piece)
+    if "".join(parts) != text:
+        return None
+    found = []  # (start, end, kind, reply)
+    for k, i in enumerate(trained):
+        content, reasoning = where.get(f"c{i}", []), where.get(f"r{i}", [])
+        if len(content) != 1 or len(reasoning) > 1:
+            return None
+        found += [(*content[0], "reply", k)] + [(*region, "reasoning", k) for region in reasoning]
+    found.sort()
+    if [k for *_, kind, k in found if kind == "reply"] != list(range(len(trained))):
+        return None
+    regions: _Regions = {}
+    segments, previous = [], 0
+    for j, (start, end, kind, k) in enumerate(found):
+        regions[kind, k] = (start, end, j)
+        segments.append(text[previous:start])
+        previous = end
+    segments.append(text[previous:])
+    return _spans(text, segments, regions, shape, len(trained))
+
+
 def _think_block(text: str, start: int, end: int) -> tuple[int, int] | None:
     """The reasoning of a reply whose content opens with a <think> block the template kept as it was."""
     opened = text.find("<think>", start, end)
@@ -430,22 +609,24 @@ def _think_block(text: str, start: int, end: int) -> tuple[int, int] | None:
     return (opened + len("<think>"), closed) if closed >= 0 else None
 
 
-def _with_placeholder(message: dict[str, Any], placeholder: str) -> dict[str, Any] | None:
-    """The reply with `placeholder` in place of its content or, for a reply that is only tool calls, in
-    place of its first call's name (its span still runs from the assistant header to the end marker)."""
+def _with_placeholder(message: dict[str, Any], placeholder: str) -> tuple[dict[str, Any], str] | None:
+    """The message with `placeholder` in place of its content or, for a reply that is only tool calls, in
+    place of its first call's name (its span still runs from the assistant header to the end marker),
+    and the text the placeholder replaced."""
     if message.get("content"):
-        return {**message, "content": placeholder}
+        return {**message, "content": placeholder}, message["content"]
     calls = message.get("tool_calls") or []
     call = calls[0] if calls and isinstance(calls[0], dict) else None
     if call is None:
         return None
-    if isinstance(call.get("function"), dict) and "name" in call["function"]:
+    if isinstance(call.get("function"), dict) and isinstance(call["function"].get("name"), str):
+        name = call["function"]["name"]
         call = {**call, "function": {**call["function"], "name": placeholder}}
-    elif "name" in call:
-        call = {**call, "name": placeholder}
+    elif isinstance(call.get("name"), str):
+        name, call = call["name"], {**call, "name": placeholder}
     else:
         return None
-    return {**message, "tool_calls": [call, *calls[1:]]}
+    return {**message, "tool_calls": [call, *calls[1:]]}, name
 
 
 def _reply_offset(segment: str, shape: TemplateShape) -> int:

@@ -7,6 +7,7 @@ sample to predict the next.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 
 import datasets
@@ -71,29 +72,46 @@ def _tokenize_batch(
     if fmt == "chat":
         rendered = render_chats(batch["messages"], tokenizer, completion_only, indices, multi_turn, batch.get("tools"))
         encoded = [
-            (chat.ids, chat.trained, chat.expanded, chat.reasoning_tokens)
+            (chat.ids, chat.ranges, chat.expanded, chat.reasoning_tokens)
             for chat in encode_rendered(rendered, tokenizer, train_on_reasoning)
         ]
     elif fmt == "prompt_completion":
         prompts, completions = _texts(batch, "prompt", indices), _texts(batch, "completion", indices)
         pairs = encode_prompt_completions(prompts, completions, tokenizer, completion_only)
-        encoded = [(*pair, False, 0) for pair in pairs]
+        encoded = [(ids, _runs(trained), False, 0) for ids, trained in pairs]
     else:
-        encoded = [(*pair, False, 0) for pair in encode_texts(_texts(batch, "text", indices), tokenizer)]
+        encoded = [
+            (ids, _runs(trained), False, 0) for ids, trained in encode_texts(_texts(batch, "text", indices), tokenizer)
+        ]
     out: dict[str, list] = {
         "input_ids": [], "target_ids": [], "truncated": [], "num_targets": [], "expanded": [], "num_reasoning": [],
     }  # fmt: skip
-    for ids, trained, expanded, reasoning in encoded:
+    for ids, ranges, expanded, reasoning in encoded:
+        # target_ids[i] is the token after input_ids[i] when that token is trained; the last has no successor.
+        targets = [IGNORE] * len(ids)
+        for first, last in ranges:
+            first = max(first, 1)  # the first token is nobody's target
+            targets[first - 1 : last - 1] = ids[first:last]
         out["expanded"].append(expanded)
         out["num_reasoning"].append(reasoning)
         out["truncated"].append(len(ids) > max_length)
-        ids, trained = ids[:max_length], trained[:max_length]
-        # target_ids[i] is the token after input_ids[i] when that token is trained; the last has no successor.
-        targets = [token if train else IGNORE for token, train in zip(ids[1:], trained[1:], strict=True)] + [IGNORE]
+        if len(ids) > max_length:
+            ids, targets = ids[:max_length], targets[: max_length - 1] + [IGNORE]
         out["input_ids"].append(ids)
         out["target_ids"].append(targets)
         out["num_targets"].append(len(targets) - targets.count(IGNORE))
     return out
+
+
+def _runs(trained: list[bool]) -> list[tuple[int, int]]:
+    """The [first, last) ranges of consecutive trained tokens."""
+    ranges, position = [], 0
+    for train, group in itertools.groupby(trained):
+        length = sum(1 for _ in group)
+        if train:
+            ranges.append((position, position + length))
+        position += length
+    return ranges
 
 
 def tokenize(
