@@ -178,6 +178,11 @@ class TrainConfig:
     """Recompute layer activations in backward. Or set `fsdp_activation_checkpointing` in the
     accelerate config instead (not both)."""
 
+    loss: Literal["chunked", "full_logits"] = "chunked"
+    """`chunked`: logits only at positions with a target, projected and scored a chunk of rows at a
+    time, never the full fp32 logits (models whose output layer is not a plain projection fall back,
+    said in the log); `full_logits`: the reference, every position's logits in fp32."""
+
 
 @dataclass(kw_only=True)
 class OutputConfig:

@@ -51,8 +51,9 @@ from finetune.distributed import (
     strategy_name,
 )
 from finetune.errors import FinetuneError
-from finetune.evaluate import evaluate, token_losses
+from finetune.evaluate import evaluate
 from finetune.flops import flops_per_token, peak_flops
+from finetune.loss import LossPath, batch_loss, choose_loss_path
 from finetune.memory import MemoryProbe, format_reports, gather_reports, memory_metrics
 from finetune.metrics import MetricsLogger
 from finetune.model import (
@@ -102,6 +103,7 @@ class Run:
     tensor_names: list[list[str]]
     save_state: Callable[[Path], None]
     """Writes the training state into a checkpoint folder (collective): accelerate's, or the adapters' only."""
+    loss_path: LossPath
 
 
 @dataclass(frozen=True)
@@ -207,9 +209,10 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
         load_state = functools.partial(peft_adapters.load_adapter_state, accelerator, model, optimizer)
     else:
         save_state, load_state = (lambda folder: accelerator.save_state(str(folder))), accelerator.load_state
+    loss_path, loss_line = choose_loss_path(recipe.train.loss, accelerator.unwrap_model(model))
     run = Run(
         recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, max_steps, output_dir,
-        write_model_files, names, save_state,
+        write_model_files, names, save_state, loss_path,
     )  # fmt: skip
     start = TrainerState(0, 0, 0, accelerator.num_processes, recipe.model.name_or_path)
     if resume_from is not None:
@@ -222,7 +225,7 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
         save_recipe(recipe, output_dir / "recipe.yaml")
     _check_shared_output_dir(output_dir, accelerator)
 
-    _log_setup(accelerator, recipe, data, model, max_steps, resume_from)
+    _log_setup(accelerator, recipe, data, model, max_steps, resume_from, loss_line)
     metrics = MetricsLogger(accelerator, output_dir, max_steps, recipe.to_dict(), recipe.output.trackers)
     try:
         seen, preempted = run_steps(run, metrics, start)
@@ -264,8 +267,9 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
                 data_fingerprint += batch["input_ids"].long().sum() * (step * accumulation + i)
             lr = run.scheduler.get_last_lr()[0]  # the rate this step's update uses
             result = train_step(
-                run.model, run.optimizer, micro_batches, accelerator, recipe.optim.max_grad_norm, step, probe
-            )
+                run.model, run.optimizer, micro_batches, accelerator, recipe.optim.max_grad_norm, step, probe,
+                loss_path=run.loss_path,
+            )  # fmt: skip
             run.scheduler.step()
             if probe is not None:
                 reports = gather_reports(accelerator, probe.report)
@@ -292,7 +296,7 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
                 last_log_time, tokens_since_log, steps_since_log = time.perf_counter(), 0, 0
             eval_due = recipe.train.eval_every_steps and step % recipe.train.eval_every_steps == 0
             if run.eval_loader is not None and (eval_due or last_step):
-                metrics.log(step, {"eval_loss": evaluate(run.model, run.eval_loader, accelerator)})
+                metrics.log(step, {"eval_loss": evaluate(run.model, run.eval_loader, accelerator, run.loss_path)})
             stop = preemption.requested(accelerator)
             if (save_every and (step % save_every == 0 or stop)) or (save_last and last_step):
                 state = TrainerState(
@@ -340,6 +344,8 @@ def train_step(
     max_grad_norm: float,
     step: int,
     probe: MemoryProbe | None = None,
+    *,
+    loss_path: LossPath,
 ) -> StepResult:
     """One optimizer step over this process's micro-batches; returns the global loss per target token."""
     counts = torch.stack(
@@ -357,9 +363,9 @@ def train_step(
         skip_sync = i < len(micro_batches) - 1 and accelerator.distributed_type != DistributedType.FSDP
         with accelerator.no_sync(model) if skip_sync else nullcontext():
             with probe.counting_activations() if probe is not None and i == 0 else nullcontext():
-                batch_loss = token_losses(model, batch).sum()
-            accelerator.backward(batch_loss * scale)
-        loss_sum += batch_loss.detach()
+                summed = batch_loss(model, batch, loss_path).total
+            accelerator.backward(summed * scale)
+        loss_sum += summed.detach()
     loss = accelerator.reduce(loss_sum, "sum").item() / max(num_targets, 1)
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
     grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
@@ -444,6 +450,7 @@ def _log_setup(
     model: torch.nn.Module,
     max_steps: int,
     resume_from: Path | None,
+    loss_line: str,
 ) -> None:
     if not accelerator.is_main_process:
         return
@@ -458,6 +465,7 @@ def _log_setup(
     lines = [
         f"strategy: {strategy_name(accelerator)} on {accelerator.device.type}",
         precision,
+        loss_line,
         f"batch: {recipe.train.micro_batch_size} x {recipe.train.gradient_accumulation_steps} accumulation x "
         f"{processes} processes = {global_batch} sequences per step, {max_steps} steps",
         data.train_stats.describe("train data"),

@@ -221,7 +221,7 @@ def per_sample_eval_loss(model, tokenizer, eval_path: Path) -> float:
 
     from finetune.config import DataConfig
     from finetune.data import IGNORE, collate_padded, load_split, prepare_split
-    from finetune.evaluate import token_losses
+    from finetune.loss import batch_loss
 
     cfg = DataConfig(train_path=str(eval_path), max_length=128, packing=False)
     samples, _ = prepare_split(load_split(cfg.train_path, "train"), tokenizer, cfg, seed=0)
@@ -229,6 +229,6 @@ def per_sample_eval_loss(model, tokenizer, eval_path: Path) -> float:
     with torch.no_grad():
         for sample in samples:
             batch = collate_padded([sample], tokenizer.pad_token_id)
-            loss_sum += token_losses(model, batch).sum().item()
+            loss_sum += batch_loss(model, batch, "full_logits").total.item()
             num_targets += int((batch["target_ids"] != IGNORE).sum())
     return loss_sum / num_targets

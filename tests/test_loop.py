@@ -10,8 +10,8 @@ from accelerate import Accelerator
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from finetune.data import IGNORE, collate_padded
-from finetune.evaluate import token_losses
 from finetune.loop import train_step
+from finetune.loss import batch_loss
 
 
 def rows_with_uneven_targets() -> list[dict]:
@@ -31,7 +31,7 @@ def update_after(model: torch.nn.Module, micro_batches: list[dict]) -> list[torc
     model = copy.deepcopy(model)
     before = [p.detach().clone() for p in model.parameters()]
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
-    train_step(model, optimizer, micro_batches, accelerator, max_grad_norm=0.0, step=1)
+    train_step(model, optimizer, micro_batches, accelerator, max_grad_norm=0.0, step=1, loss_path="chunked")
     return [b - p.detach() for b, p in zip(before, model.parameters(), strict=True)]
 
 
@@ -58,14 +58,14 @@ def test_update_is_the_gradient_of_the_per_token_mean(model):
     reference = copy.deepcopy(model)
     batch = collate_padded(rows, pad_id=0)
     num_targets = (batch["target_ids"] != IGNORE).sum()
-    (token_losses(reference, batch).sum() / num_targets).backward()
+    (batch_loss(reference, batch, "full_logits").total / num_targets).backward()
     for got, param in zip(update, reference.parameters(), strict=True):
         torch.testing.assert_close(got, param.grad, atol=1e-6, rtol=1e-5)
     # The data is uneven enough that a mean of per-micro-batch means would give another update.
     naive = copy.deepcopy(model)
     for half in (rows[:2], rows[2:]):
         b = collate_padded(half, pad_id=0)
-        (token_losses(naive, b).sum() / (b["target_ids"] != IGNORE).sum() / 2).backward()
+        (batch_loss(naive, b, "full_logits").total / (b["target_ids"] != IGNORE).sum() / 2).backward()
     assert not all(torch.allclose(g, p.grad, atol=1e-4) for g, p in zip(update, naive.parameters(), strict=True))
 
 

@@ -1,0 +1,183 @@
+"""The training loss: next-token cross-entropy, summed over the target tokens of a batch.
+
+Two paths, chosen by `train.loss`:
+
+- `full_logits` (the reference): the model returns logits for every position, they are upcast to
+  fp32 and `F.cross_entropy` takes them. For a 128,256-token vocabulary that is 1 GiB per 2,048
+  tokens, kept for backward, plus the softmax's transients.
+- `chunked` (the default): the model keeps only the positions that have a target (transformers'
+  `logits_to_keep` as a boolean mask slices the hidden states before the output projection), and the
+  projection runs with the cross-entropy inside one autograd function, a chunk of rows at a time, so
+  a chunk's logits exist only while its loss and gradients are computed. The gradients are computed
+  in the forward: the loss is a sum, so backward only scales them by one number. That costs the same
+  three matmuls as the reference, and nothing of the logits' size is kept for backward.
+
+The projection must run inside the model's own forward: under FSDP2 the head's parameters are
+gathered by the forward hooks of its unit (or of the root), which fire only around that call. So
+the head's `forward` is swapped for the duration of one call of the model (`_head_computes_loss`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from finetune.data import IGNORE
+
+LossPath = Literal["chunked", "full_logits"]
+MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
+
+# Architectures whose causal-LM forward is `lm_head(slice_logits_to_keep(hidden))` and nothing after it
+# (no logit soft-capping or scaling), so that a head computing the loss sees what the logits would be.
+CHUNKED_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "gpt2", "gemma", "olmo2"}
+)
+_CHUNK_BYTES = 64 * 2**20
+"""Bytes of fp32 logits per chunk: large enough for matmuls that keep a GPU busy, small next to a step's memory."""
+
+
+@dataclass(frozen=True)
+class BatchLoss:
+    total: torch.Tensor
+    """Sum of the token losses; differentiable when gradients are enabled."""
+    per_row: torch.Tensor
+    """Sum of each row's token losses, detached, shape (rows,)."""
+
+
+def batch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], path: LossPath) -> BatchLoss:
+    """The summed next-token loss of a batch of `input_ids` / `target_ids` rows (IGNORE where none)."""
+    inputs = {key: value for key, value in batch.items() if key in MODEL_INPUTS}
+    targets = batch["target_ids"]
+    if path == "full_logits":
+        logits = model(**inputs, use_cache=False).logits  # a KV cache only costs memory here
+        # Upcast so that a bf16 forward does not also give a bf16 loss.
+        losses = F.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none"
+        )
+        losses = losses.view_as(targets)
+        return BatchLoss(losses.sum(), losses.detach().sum(dim=1))
+    kept = targets != IGNORE
+    with _head_computes_loss(output_head(model), targets[kept]) as result:
+        model(**inputs, use_cache=False, logits_to_keep=kept)
+    rows = torch.arange(targets.shape[0], device=targets.device).unsqueeze(1).expand_as(targets)[kept]
+    per_row = torch.zeros(targets.shape[0], device=targets.device).index_add_(0, rows, result["per_token"])
+    return BatchLoss(result["total"], per_row)
+
+
+def choose_loss_path(requested: LossPath, model: torch.nn.Module) -> tuple[LossPath, str]:
+    """The loss path this model runs (`train.loss`, unless the model cannot take the chunked one), and the log line."""
+    if requested == "full_logits":
+        return "full_logits", "loss: full logits in fp32 (train.loss=full_logits)"
+    reason = chunked_loss_unsupported(model)
+    if reason is not None:
+        return "full_logits", f"loss: full logits in fp32, as chunked cannot run here: {reason}"
+    vocab = output_head(model).weight.shape[0]
+    return "chunked", (
+        f"loss: chunked (logits at target positions only, {chunk_rows(vocab)} rows of {vocab:,} at a time; "
+        "train.loss=full_logits for the reference)"
+    )
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Linear:
+    """The model's output projection (through DDP, PEFT and compile wrappers)."""
+    inner = getattr(model, "module", model)
+    return inner.get_output_embeddings()
+
+
+def chunked_loss_unsupported(model: torch.nn.Module) -> str | None:
+    """Why the chunked loss cannot run on this model (the run then takes `full_logits`), or None."""
+    inner = getattr(model, "module", model)
+    config = getattr(inner, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in CHUNKED_MODEL_TYPES:
+        return f"model type {model_type} is not one whose output layer is known to be a plain projection"
+    head = output_head(model)
+    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
+        return f"its output layer is adapted or quantized ({type(head).__module__}.{type(head).__name__})"
+    base = getattr(inner, "get_base_model", lambda: inner)()
+    if "logits_to_keep" not in inspect.signature(base.forward).parameters:
+        return f"{type(base).__name__}.forward takes no logits_to_keep"
+    return None
+
+
+@contextlib.contextmanager
+def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor) -> Iterator[dict[str, torch.Tensor]]:
+    """While inside: the head, called by the model's forward on the kept hidden states, computes the
+    loss against `targets` (one per kept position) instead of logits; the result holds it."""
+    result: dict[str, torch.Tensor] = {}
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        with_grads = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+        total, per_token = _LinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, with_grads)
+        result["total"], result["per_token"] = total, per_token
+        return per_token  # what the model returns as `logits`: nobody reads it
+
+    head.forward = forward
+    try:
+        yield result
+    finally:
+        del head.forward  # the class's forward again
+
+
+def chunk_rows(vocab_size: int) -> int:
+    return max(1, _CHUNK_BYTES // (4 * vocab_size))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum_i CE(hidden_i @ weight.T + bias, target_i) over rows whose target is not IGNORE, a chunk of rows
+    at a time; returns (sum, per-row losses). With gradients asked for, each chunk's gradients with respect
+    to hidden, weight and bias are computed while its logits exist; backward scales them."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        with_grads: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = chunk_rows(weight.shape[0])
+        losses = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.zeros_like(hidden) if with_grads and ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grads and ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if with_grads and ctx.needs_input_grad[2] else None
+        for start in range(0, hidden.shape[0], rows):
+            h, t = hidden[start : start + rows], targets[start : start + rows]
+            logits = F.linear(h, weight, bias).float()
+            valid = t != IGNORE
+            safe = torch.where(valid, t, 0).unsqueeze(1)
+            lse = torch.logsumexp(logits, dim=-1)
+            losses[start : start + rows] = torch.where(valid, lse - logits.gather(1, safe).squeeze(1), 0.0)
+            if grad_hidden is None and grad_weight is None and grad_bias is None:
+                continue
+            # d loss / d logits = softmax - one-hot of the target; zero for rows without a target.
+            grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()
+            grad_logits.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=grad_logits.dtype))
+            grad_logits.mul_(valid.unsqueeze(1))
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(dim=0)
+            grad_logits = grad_logits.to(weight.dtype)  # as the reference's backward through `.float()`
+            if grad_hidden is not None:
+                grad_hidden[start : start + rows] = grad_logits @ weight
+            if grad_weight is not None:
+                grad_weight += grad_logits.t() @ h
+        ctx.mark_non_differentiable(losses)
+        ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (grad_hidden, grad_weight, grad_bias)))
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        return losses.sum(), losses
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor, _: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grads = [
+            (grad * grad_total).to(dtype) if needed else None
+            for grad, dtype, needed in zip(ctx.saved_tensors, ctx.dtypes, ctx.needs_input_grad[:3], strict=True)
+        ]
+        return (*grads, None, None)

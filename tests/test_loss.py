@@ -1,0 +1,115 @@
+"""The chunked loss (logits only where there are targets, projection + cross-entropy a chunk at a time)
+against the reference (full logits in fp32, `F.cross_entropy`): same losses and gradients in fp32, on
+packed rows of several architectures; and the models it must not take."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from finetune import loss as loss_module
+from finetune.data import IGNORE
+from finetune.loss import batch_loss, chunked_loss_unsupported
+
+SMALL = {"vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+ARCHITECTURES = {
+    "llama": transformers.LlamaConfig(**SMALL, intermediate_size=64, num_key_value_heads=2),
+    "qwen2": transformers.Qwen2Config(**SMALL, intermediate_size=64, num_key_value_heads=2),
+    "mistral": transformers.MistralConfig(**SMALL, intermediate_size=64, num_key_value_heads=2),
+    "phi3": transformers.Phi3Config(**SMALL, intermediate_size=64, pad_token_id=0),
+    "gpt2": transformers.GPT2Config(
+        vocab_size=96, n_embd=32, n_layer=2, n_head=4, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0
+    ),  # tied head
+}
+
+
+def packed_batch() -> dict[str, torch.Tensor]:
+    """Two rows of two packed samples each (positions restart), a third of the targets ignored."""
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, 96, (2, 24), generator=generator)
+    targets = torch.roll(input_ids, -1, dims=1)
+    targets[torch.rand(2, 24, generator=generator) < 0.33] = IGNORE
+    targets[:, -1] = IGNORE
+    position_ids = torch.cat([torch.arange(10), torch.arange(14)]).repeat(2, 1)
+    return {"input_ids": input_ids, "target_ids": targets, "position_ids": position_ids}
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_chunked_loss_equals_the_full_logits_reference(architecture, monkeypatch):
+    monkeypatch.setattr(loss_module, "_CHUNK_BYTES", 4 * 96 * 5)  # 5 rows a chunk: several chunks, one partial
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(ARCHITECTURES[architecture])
+    chunked = copy.deepcopy(reference)
+    assert chunked_loss_unsupported(chunked) is None
+    batch = packed_batch()
+    expected, got = batch_loss(reference, batch, "full_logits"), batch_loss(chunked, batch, "chunked")
+    torch.testing.assert_close(got.total, expected.total, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got.per_row, expected.per_row, rtol=1e-6, atol=1e-6)
+    (expected.total * 0.37).backward()  # any scale reaches the gradients as it does through the reference
+    (got.total * 0.37).backward()
+    for (name, a), b in zip(reference.named_parameters(), chunked.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+    with torch.no_grad():  # evaluation: the same losses without gradients
+        torch.testing.assert_close(batch_loss(chunked, batch, "chunked").per_row, expected.per_row)
+    assert chunked(input_ids=batch["input_ids"]).logits.shape == (2, 24, 96)  # the head is itself again
+
+
+def test_the_chunked_projection_with_a_bias_and_in_bf16():
+    generator = torch.Generator().manual_seed(0)
+    for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+        hidden = torch.randn(13, 16, generator=generator).to(dtype).requires_grad_()
+        head = torch.nn.Linear(16, 40).to(dtype)
+        targets = torch.randint(0, 40, (13,), generator=generator)
+        targets[[2, 7]] = IGNORE
+        losses = F.cross_entropy(head(hidden).float(), targets, ignore_index=IGNORE, reduction="sum")
+        expected = torch.autograd.grad(losses, [hidden, head.weight, head.bias])
+        total, _ = loss_module._LinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, True)
+        got = torch.autograd.grad(total, [hidden, head.weight, head.bias])
+        torch.testing.assert_close(total, losses, rtol=tolerance, atol=tolerance)
+        for a, b in zip(got, expected, strict=True):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
+
+
+def test_models_whose_logits_are_more_than_a_projection_keep_the_reference():
+    gemma2 = transformers.AutoModelForCausalLM.from_config(
+        transformers.Gemma2Config(**SMALL, intermediate_size=64, head_dim=8, final_logit_softcapping=30.0)
+    )
+    assert "model type gemma2" in chunked_loss_unsupported(gemma2)
+    from peft import LoraConfig, get_peft_model
+
+    adapted = get_peft_model(
+        transformers.AutoModelForCausalLM.from_config(ARCHITECTURES["llama"]),
+        LoraConfig(r=4, target_modules=["q_proj", "lm_head"]),
+    )
+    assert "output layer is adapted or quantized (peft.tuners.lora" in chunked_loss_unsupported(adapted)
+    plain = get_peft_model(
+        transformers.AutoModelForCausalLM.from_config(ARCHITECTURES["llama"]),
+        LoraConfig(r=4, target_modules=["q_proj"]),
+    )
+    assert chunked_loss_unsupported(plain) is None
+
+
+@pytest.mark.multiprocess
+def test_under_fsdp2_the_chunked_loss_trains_as_the_reference(fsdp2_run, demo_assets, tmp_path):
+    """Two processes over gloo, FSDP2 full shard (the head's parameters gathered by the root's hooks, as
+    the loss runs inside the model's forward): the default chunked loss and train.loss=full_logits give
+    the same training and evaluation losses, and the log says which ran."""
+    from conftest import Run, launch, recipe_overrides
+
+    output_dir = tmp_path / "out"
+    result = launch(
+        "fsdp2_full_shard.yaml", recipe_overrides(demo_assets, output_dir, **{"train.loss": "full_logits"})
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    reference = Run(result, output_dir)
+    assert "loss: chunked (logits at target positions only" in fsdp2_run.log
+    assert "loss: full logits in fp32 (train.loss=full_logits)" in reference.log
+    assert len(fsdp2_run.losses()) == len(reference.losses()) == 16
+    torch.testing.assert_close(fsdp2_run.losses(), reference.losses(), rtol=1e-5, atol=1e-6)
+    evaluations = [[m["eval_loss"] for m in run.metrics() if "eval_loss" in m] for run in (fsdp2_run, reference)]
+    torch.testing.assert_close(*evaluations, rtol=1e-5, atol=1e-6)
