@@ -15,6 +15,7 @@ Comparisons (2 CPU processes over gloo unless stated):
   checkpoint_save  seconds the loop is blocked by a save: SHARDED vs FULL state dict
   scaling          step time and per-rank memory: 3 sizes x 1/2 processes x full shard/shard-grad-op/DDP
   data_pipeline    tokenize + mask vs a batched render + tokenize datasets.map; + pack, first and cached
+  loss_path        train.loss chunked vs full_logits: step peak, bytes saved for backward, tokens/s
   lora_vs_full     LoRA vs full fine-tuning (FSDP2): step time, rank 0 memory, checkpoint bytes
   trl_lora         target tokens/s of finetune LoRA vs TRL's SFTTrainer + PEFT (packing, padding-free), DDP
   merge            `finetune export --merge` vs PEFT's merge_and_unload() + save_pretrained: time, peak RSS
@@ -78,7 +79,7 @@ def main() -> None:
         "quick": args.quick,
         "repeats": bench.repeats,
     }
-    sections = ("data_pipeline", "loop_overhead", "trainer", "checkpoint_save", "scaling", "export")
+    sections = ("data_pipeline", "loss_path", "loop_overhead", "trainer", "checkpoint_save", "scaling", "export")
     for name in (*sections, "lora_vs_full", "trl_lora", "merge"):
         print(f"bench: {name} ...", flush=True)
         began = time.perf_counter()
@@ -338,6 +339,37 @@ class Bench:
             "target_ratio_vs_plain": 0.9,
             "sets": sets,
             "pack_rate": {label: stats.num_tokens / seconds for label, seconds in timings.items()},
+        }
+
+    def loss_path(self) -> dict:
+        """train.loss chunked vs full_logits on a head-dominated shape (vocabulary 128,256, hidden 64, a row of
+        2,048 tokens, fp32, one process; bench/loss_path.py): step peak and bytes saved for backward as
+        fractions of the fp32 logits' size, and tokens/s, each path in processes of its own, interleaved."""
+        vocab, hidden, rows, steps = (8192, 64, 256, 2) if self.quick else (128_256, 64, 2048, 5)
+        runs: dict[str, list[dict]] = {"chunked": [], "full_logits": []}
+        for repeat in range(self.repeats):
+            for path in runs:
+                out = self.work / "runs" / f"loss-{path}-{repeat}.json"
+                out.parent.mkdir(parents=True, exist_ok=True)
+                shape = [str(value) for value in (vocab, hidden, rows, steps)]
+                _run([sys.executable, str(REPO / "bench" / "loss_path.py"), path, *shape, str(out)])
+                runs[path].append(json.loads(out.read_text()))
+        logits = rows * vocab * 4
+        median = {
+            path: {
+                "step_peak_over_logits": statistics.median(r["step_peak"] / logits for r in results),
+                "saved_over_logits": statistics.median(r["saved_for_backward"] / logits for r in results),
+                "tokens_per_second": statistics.median(rows / statistics.median(r["step_seconds"]) for r in results),
+            }
+            for path, results in runs.items()
+        }
+        return {
+            "shape": {"vocab": vocab, "hidden": hidden, "rows": rows, "dtype": "float32", "processes": 1},
+            "fp32_logits_bytes": logits,
+            "median": median,
+            "tokens_per_second_ratio": median["chunked"]["tokens_per_second"]
+            / median["full_logits"]["tokens_per_second"],
+            "targets": {"step_peak_over_logits": 0.3, "saved_over_logits": 0.05, "tokens_per_second_ratio": 0.95},
         }
 
     def export(self) -> dict:
@@ -600,8 +632,8 @@ def _git(*args: str) -> str:
 def markdown(results: dict) -> str:
     """The results as the tables docs/benchmarks.md quotes."""
     mib = 2**20
-    loop, trainer, export, save, data = (
-        results[k] for k in ("loop_overhead", "trainer", "export", "checkpoint_save", "data_pipeline")
+    loop, trainer, export, save, data, loss = (
+        results[k] for k in ("loop_overhead", "trainer", "export", "checkpoint_save", "data_pipeline", "loss_path")
     )
     lines = [
         f"# Benchmarks {results['date']} ({results['commit']}), {results['machine']['cpus']} CPUs, "
@@ -635,6 +667,18 @@ def markdown(results: dict) -> str:
             f">= {data['target_ratio_vs_plain']}x |"
             for name, sets in data["sets"].items()
         ),
+        *(
+            f"| loss {path}, {label} ({loss['shape']['vocab']:,} vocabulary, hidden {loss['shape']['hidden']}, "
+            f"{loss['shape']['rows']:,} tokens, fp32) | {loss['median']['chunked'][key]:.3f}x | "
+            f"{loss['median']['full_logits'][key]:.3f}x (full logits) | | <= {loss['targets'][key]}x |"
+            for path, label, key in (
+                ("chunked", "step peak / fp32 logits", "step_peak_over_logits"),
+                ("chunked", "saved for backward / fp32 logits", "saved_over_logits"),
+            )
+        ),
+        f"| loss chunked, tokens/s (same shape) | {loss['median']['chunked']['tokens_per_second']:.0f} | "
+        f"{loss['median']['full_logits']['tokens_per_second']:.0f} (full logits) | "
+        f"{loss['tokens_per_second_ratio']:.2f}x | >= {loss['targets']['tokens_per_second_ratio']}x |",
         f"| tokenize + mask + pack, tokens/s (short chats) | first {data['pack_rate']['first']:.0f} | cached "
         f"{data['pack_rate']['cached']:.0f} | | |",
     ]

@@ -12,9 +12,10 @@ Two paths, chosen by `train.loss`:
   in the forward: the loss is a sum, so backward only scales them by one number. That costs the same
   three matmuls as the reference, and nothing of the logits' size is kept for backward.
 
-The projection must run inside the model's own forward: under FSDP2 the head's parameters are
+The projection must run inside the model's own forward: under FSDP the head's parameters are
 gathered by the forward hooks of its unit (or of the root), which fire only around that call. So
-the head's `forward` is swapped for the duration of one call of the model (`_head_computes_loss`).
+the head's `forward` is swapped for the duration of one call of the model (`_head_computes_loss`),
+and the summed loss leaves the model as its output, where FSDP hooks its backward.
 """
 
 from __future__ import annotations
@@ -63,11 +64,12 @@ def batch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], path: Los
         losses = losses.view_as(targets)
         return BatchLoss(losses.sum(), losses.detach().sum(dim=1))
     kept = targets != IGNORE
-    with _head_computes_loss(output_head(model), targets[kept]) as result:
-        model(**inputs, use_cache=False, logits_to_keep=kept)
+    with _head_computes_loss(output_head(model), targets[kept]) as per_token:
+        # The loss comes out as the model's output (`logits`, one value): FSDP hooks its backward on outputs.
+        total = model(**inputs, use_cache=False, logits_to_keep=kept).logits.reshape(())
     rows = torch.arange(targets.shape[0], device=targets.device).unsqueeze(1).expand_as(targets)[kept]
-    per_row = torch.zeros(targets.shape[0], device=targets.device).index_add_(0, rows, result["per_token"])
-    return BatchLoss(result["total"], per_row)
+    per_row = torch.zeros(targets.shape[0], device=targets.device).index_add_(0, rows, per_token[0])
+    return BatchLoss(total, per_row)
 
 
 def choose_loss_path(requested: LossPath, model: torch.nn.Module) -> tuple[LossPath, str]:
@@ -77,7 +79,7 @@ def choose_loss_path(requested: LossPath, model: torch.nn.Module) -> tuple[LossP
     reason = chunked_loss_unsupported(model)
     if reason is not None:
         return "full_logits", f"loss: full logits in fp32, as chunked cannot run here: {reason}"
-    vocab = output_head(model).weight.shape[0]
+    vocab = output_head(model).out_features  # the weight itself may be a flat shard here (FSDP1)
     return "chunked", (
         f"loss: chunked (logits at target positions only, {chunk_rows(vocab)} rows of {vocab:,} at a time; "
         "train.loss=full_logits for the reference)"
@@ -107,21 +109,22 @@ def chunked_loss_unsupported(model: torch.nn.Module) -> str | None:
 
 
 @contextlib.contextmanager
-def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor) -> Iterator[dict[str, torch.Tensor]]:
-    """While inside: the head, called by the model's forward on the kept hidden states, computes the
-    loss against `targets` (one per kept position) instead of logits; the result holds it."""
-    result: dict[str, torch.Tensor] = {}
+def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor) -> Iterator[list[torch.Tensor]]:
+    """While inside: the head, called by the model's forward on the kept hidden states, returns the summed
+    loss against `targets` (one per kept position) as a one-element tensor instead of logits; the list
+    yielded receives the per-token losses."""
+    per_token: list[torch.Tensor] = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.reshape(-1, hidden.shape[-1])
         with_grads = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
-        total, per_token = _LinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, with_grads)
-        result["total"], result["per_token"] = total, per_token
-        return per_token  # what the model returns as `logits`: nobody reads it
+        total, losses = _LinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, with_grads)
+        per_token.append(losses)
+        return total.reshape(1)
 
     head.forward = forward
     try:
-        yield result
+        yield per_token
     finally:
         del head.forward  # the class's forward again
 
@@ -144,7 +147,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         targets: torch.Tensor,
         with_grads: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = chunk_rows(weight.shape[0])
+        rows = chunk_rows(weight.shape[0])  # inside the forward: the whole weight
         losses = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if with_grads and ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grads and ctx.needs_input_grad[1] else None

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -37,6 +38,9 @@ from finetune.config import RecipeConfig
 from finetune.errors import FinetuneError
 from finetune.launch import STRATEGIES, Launch
 from finetune.model import DTYPES, load_model_config, meta_model
+
+if TYPE_CHECKING:
+    from finetune.loss import LossPath
 from finetune.wrap import wrap_classes
 
 _MIXED = {"bf16": 2, "fp16": 2}
@@ -135,24 +139,31 @@ def model_shape(model: PreTrainedModel) -> ModelShape:
     )
 
 
-def activation_bytes(shape: ModelShape, tokens: int, compute_bytes: int, checkpointing: bool) -> int:
+def activation_bytes(
+    shape: ModelShape, tokens: int, compute_bytes: int, checkpointing: bool, loss: LossPath = "chunked"
+) -> int:
     """Bytes saved for backward in one micro-batch of `tokens` tokens (batch x sequence).
 
     Per token and layer a decoder layer keeps (in the compute dtype) its input, the two norm
     outputs, q/k/v and their rotary versions, the attention output, and the MLP's gate, up,
     activation and product: about 7h + 3kv + 4i values, plus the norms' fp32 copies (2h * 4 bytes
     each) under low-precision compute. Attention is SDPA/flash: no (sequence x sequence) matrix.
-    The head keeps the logits and the fp32 log-softmax of the loss: V*(c + 4) per token.
+    The head, with `full_logits`, keeps the logits and the fp32 log-softmax of the loss: V*(c + 4)
+    per token; `chunked` keeps the gradient of each token's hidden state (c*h) and, when the head
+    trains, its weight's gradient in fp32 (4*V*h, once) — every token counted as a target, the worst case.
     With activation checkpointing each layer keeps only its input, and one layer's activations
     exist again while it is recomputed in backward.
     """
     per_layer = compute_bytes * (7 * shape.hidden + 3 * shape.kv_hidden + 4 * shape.intermediate)
     if compute_bytes < 4:
         per_layer += 2 * 2 * shape.hidden * 4
-    head = shape.vocab * (compute_bytes + 4)
+    if loss == "full_logits":
+        head = tokens * shape.vocab * (compute_bytes + 4)
+    else:
+        head = tokens * compute_bytes * shape.hidden + (0 if shape.adapters else 4 * shape.vocab * shape.hidden)
     if checkpointing:
-        return tokens * (shape.layers * shape.hidden * compute_bytes + per_layer + head)
-    return tokens * (shape.layers * per_layer + head)
+        return tokens * (shape.layers * shape.hidden * compute_bytes + per_layer) + head
+    return tokens * shape.layers * per_layer + head
 
 
 def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: str) -> Estimate:
@@ -178,8 +189,8 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     else:  # DDP keeps full parameters; low-precision compute adds cast copies
         gather = shape.parameters * compute_bytes if compute_bytes != param_bytes else 0
     tokens = recipe.train.micro_batch_size * recipe.data.max_length
-    activations = activation_bytes(shape, tokens, compute_bytes, checkpointing=False)
-    checkpointed = activation_bytes(shape, tokens, compute_bytes, checkpointing=True)
+    activations = activation_bytes(shape, tokens, compute_bytes, checkpointing=False, loss=recipe.train.loss)
+    checkpointed = activation_bytes(shape, tokens, compute_bytes, checkpointing=True, loss=recipe.train.loss)
     processes_per_host = launch.processes_per_machine
     full_model = shape.parameters * param_bytes
     # Loading: every process reads the full model, unless rank 0 alone does (cpu_ram_efficient_loading).

@@ -54,6 +54,10 @@ def test_make_bench_runs_every_comparison(tmp_path):
     assert set(data["sets"]) == {"short", "long"} and data["sets"]["long"]["tokens_per_sample"] > 1000
     assert all(positive(s) for d in data["sets"].values() for s in d["seconds"].values())
     assert all(positive(v) for v in data["pack_rate"].values())
+    # The chunked loss keeps less for backward than the full logits (a size, not a time).
+    loss = results["loss_path"]["median"]
+    assert all(positive(v) for path in loss.values() for v in path.values())
+    assert loss["chunked"]["saved_over_logits"] < loss["full_logits"]["saved_over_logits"]
     # Adapters: a LoRA checkpoint holds a fraction of a full one; the peers ran and were measured.
     lora = results["lora_vs_full"]
     assert lora["checkpoint_bytes_ratio"] < 0.5 and positive(lora["step_time_ratio"])
