@@ -21,7 +21,7 @@ MAIN_PROCESS_PORT ?= 29500
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b train-70b train-qwen-7b train-mistral-7b \
-	train-8b-lora train-qwen-7b-lora train-70b-qlora train-qwen3-8b
+	train-8b-lora train-qwen-7b-lora train-70b-qlora train-qwen3-8b train-qwen-7b-tools
 .PHONY: help setup demo demo-lora train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu test lint format clean
 
 help: ## list the targets
@@ -110,6 +110,10 @@ train-qwen-7b-lora: ## Qwen2.5-7B-Instruct LoRA, UltraChat, 1 GPU, FSDP2 (more: 
 train-qwen-7b-lora: RECIPE = recipes/qwen/qwen2.5-7b-lora.yaml
 train-qwen-7b-lora: WRAP = Qwen2DecoderLayer
 train-qwen-7b-lora: NUM_PROCESSES = 1
+train-qwen-7b-tools: ## Qwen2.5-7B-Instruct LoRA, tool calling (Hermes function-calling data), 1 GPU, FSDP2
+train-qwen-7b-tools: RECIPE = recipes/qwen/qwen2.5-7b-tools-lora.yaml
+train-qwen-7b-tools: WRAP = Qwen2DecoderLayer
+train-qwen-7b-tools: NUM_PROCESSES = 1
 train-70b-qlora: ## Llama-3.1-70B-Instruct QLoRA (4-bit base), UltraChat, 2 x 48 GB GPUs, FSDP2
 train-70b-qlora: RECIPE = recipes/llama/llama-3.1-70b-qlora.yaml
 train-70b-qlora: NUM_PROCESSES = 2

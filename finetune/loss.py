@@ -150,7 +150,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         rows = chunk_rows(weight.shape[0])  # inside the forward: the whole weight
         losses = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if with_grads and ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grads and ctx.needs_input_grad[1] else None
+        # In the weight's dtype, as Liger's kernel keeps it: one buffer the size of the head's gradient, which
+        # the reference allocates too (a bf16 weight then rounds once per chunk instead of once).
+        grad_weight = torch.zeros_like(weight) if with_grads and ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if with_grads and ctx.needs_input_grad[2] else None
         for start in range(0, hidden.shape[0], rows):
             h, t = hidden[start : start + rows], targets[start : start + rows]
@@ -171,7 +173,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[start : start + rows] = grad_logits @ weight
             if grad_weight is not None:
-                grad_weight += grad_logits.t() @ h
+                grad_weight.addmm_(grad_logits.t(), h)
         ctx.mark_non_differentiable(losses)
         ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (grad_hidden, grad_weight, grad_bias)))
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)

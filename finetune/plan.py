@@ -150,7 +150,7 @@ def activation_bytes(
     each) under low-precision compute. Attention is SDPA/flash: no (sequence x sequence) matrix.
     The head, with `full_logits`, keeps the logits and the fp32 log-softmax of the loss: V*(c + 4)
     per token; `chunked` keeps the gradient of each token's hidden state (c*h) and, when the head
-    trains, its weight's gradient in fp32 (4*V*h, once) — every token counted as a target, the worst case.
+    trains, its weight's gradient (c*V*h, once) — every token counted as a target, the worst case.
     With activation checkpointing each layer keeps only its input, and one layer's activations
     exist again while it is recomputed in backward.
     """
@@ -160,7 +160,9 @@ def activation_bytes(
     if loss == "full_logits":
         head = tokens * shape.vocab * (compute_bytes + 4)
     else:
-        head = tokens * compute_bytes * shape.hidden + (0 if shape.adapters else 4 * shape.vocab * shape.hidden)
+        head = tokens * compute_bytes * shape.hidden + (
+            0 if shape.adapters else compute_bytes * shape.vocab * shape.hidden
+        )
     if checkpointing:
         return tokens * (shape.layers * shape.hidden * compute_bytes + per_layer) + head
     return tokens * shape.layers * per_layer + head

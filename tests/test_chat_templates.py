@@ -321,7 +321,11 @@ def test_tool_calls_are_trained_and_tool_results_and_schemas_are_not(base_tokeni
     [
         (TOOL_CHAT, "{not json", "sample 4: tools is not valid JSON"),
         (TOOL_CHAT, json.dumps({"name": "x"}), "sample 4: tools must be a list of JSON schemas"),
-        ([TOOL_CHAT[0], TOOL_CHAT[2], TOOL_CHAT[3]], None, "sample 4, message 1 is a tool result that answers no"),
+        (
+            [TOOL_CHAT[0], TOOL_CHAT[2], TOOL_CHAT[3]],
+            None,
+            "sample 4, message 1 is a tool result that answers no tool call",
+        ),
     ],
 )
 def test_bad_tool_data_names_the_sample(base_tokenizer, messages, tools, message):
@@ -412,3 +416,24 @@ def test_trained_tokens_are_found_from_character_spans_as_by_bisecting_every_off
         expected = [(bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)) for lo, hi in spans]
         first_token = _FirstToken(encoded.encodings[0], len(starts), len(text))
         assert first_token.ranges(spans) == expected, (text, spans)
+
+
+def test_sharegpt_turns_with_tool_calls_in_their_text(base_tokenizer):
+    """Hermes-style ShareGPT data: `from` / `value` turns, the tools in the system text, calls written into
+    the reply's text, results as `tool` turns. Trained exactly as the same conversation given as messages:
+    the replies (calls included), not the results."""
+    tokenizer = family_tokenizer(base_tokenizer, "qwen-2.5")
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    sharegpt = [
+        {"from": "system", "value": "You may call get_weather."}, {"from": "human", "value": "Weather in Paris?"},
+        {"from": "gpt", "value": call}, {"from": "tool", "value": '{"sky": "sunny"}'},
+        {"from": "gpt", "value": "It is sunny."},
+    ]  # fmt: skip
+    roles = {"system": "system", "human": "user", "gpt": "assistant", "tool": "tool"}
+    messages = [{"role": roles[turn["from"]], "content": turn["value"]} for turn in sharegpt]
+    trained, ids, _ = trained_and_ids(tokenizer, messages)
+    assert encode_chats([sharegpt], tokenizer, True) == [(ids, encode_chats([messages], tokenizer, True)[0][1])]
+    assert trained == call + "<|im_end|>It is sunny.<|im_end|>"
+    data = datasets.Dataset.from_list([{"messages": sharegpt}] * 2)  # through Arrow and the pipeline
+    _, stats = prepare_split(data, tokenizer, DataConfig(train_path="x", max_length=512, packing=False), 0)
+    assert stats.num_target_tokens == 2 * len(tokenizer(trained, add_special_tokens=False)["input_ids"])

@@ -326,9 +326,12 @@ def chat_messages(messages: Any, index: int) -> list[dict[str, Any]]:
     Content given as a list of parts (`[{"type": "text", "text": ...}]`) becomes its text, as
     multimodal-style templates render it; a part that is not text cannot be trained on here. Keys
     whose value is null are dropped: Arrow gives every message the keys any message has, and a
-    template testing `message.tool_calls is defined` must not see a null one.
+    template testing `message.tool_calls is defined` must not see a null one. ShareGPT turns
+    (`from` / `value`) become role / content messages.
     """
     where = f"sample {index}"
+    if isinstance(messages, list):
+        messages = [_from_sharegpt(message) for message in messages]
     if not isinstance(messages, list) or not messages:
         raise FinetuneError(
             f"{where}: messages must be a non-empty list of {{role, content}} objects, got {describe(messages)}; "
@@ -351,17 +354,29 @@ def chat_messages(messages: Any, index: int) -> list[dict[str, Any]]:
             )
         elif content is not None and not isinstance(content, str):
             raise FinetuneError(f"{where}, message {number}: content must be text, got {describe(content)}")
-        if message["role"] == "tool" and not (normalized and _calls_or_answers(normalized[-1])):
+        if message["role"] == "tool" and not (normalized and normalized[-1]["role"] in ("assistant", "tool")):
             raise FinetuneError(
-                f"{where}, message {number} is a tool result that answers no tool call (the message before it has "
-                "no tool_calls); fix or remove the sample"
+                f"{where}, message {number} is a tool result that answers no tool call (the message before it is "
+                "not an assistant's); fix or remove the sample"
             )
         normalized.append(message)
     return normalized
 
 
-def _calls_or_answers(message: dict[str, Any]) -> bool:
-    return message["role"] == "tool" or (message["role"] == "assistant" and bool(message.get("tool_calls")))
+# ShareGPT's speakers (`from`), as chat templates name the roles.
+_SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "model": "assistant", "function_response": "tool",
+                   "observation": "tool"}  # fmt: skip
+
+
+def _from_sharegpt(message: Any) -> Any:
+    """A ShareGPT turn ({"from": "human" | "gpt" | "system" | "tool", "value": ...}) as a chat message; other
+    values as they are. Tool calls written into a reply's text (as Hermes-style data has them) stay text,
+    trained with the reply."""
+    if not isinstance(message, dict) or message.get("role") is not None or "from" not in message:
+        return message
+    turn = {key: value for key, value in message.items() if key not in ("from", "value", "role")}
+    speaker = message["from"]
+    return {"role": _SHAREGPT_ROLES.get(speaker, speaker), "content": message.get("value"), **turn}
 
 
 def _text_of_parts(parts: list[Any], where: str) -> str:
