@@ -174,14 +174,22 @@ class TrainConfig:
     log_every_steps: int = 1
     """Write metrics every this many optimizer steps."""
 
-    activation_checkpointing: bool = False
-    """Recompute layer activations in backward. Or set `fsdp_activation_checkpointing` in the
-    accelerate config instead (not both)."""
+    activation_checkpointing: Literal[False, True, "none", "full", "selective"] = False
+    """What decoder layers keep for backward (`finetune.recompute`): `none` (false) everything; `full`
+    (true) only their input, recomputing the rest; `selective` matmul and attention outputs,
+    recomputing the cheap rest. Or set `fsdp_activation_checkpointing` (full) in the accelerate config
+    instead (not both)."""
 
     loss: Literal["chunked", "full_logits"] = "chunked"
     """`chunked`: logits only at positions with a target, projected and scored a chunk of rows at a
     time, never the full fp32 logits (models whose output layer is not a plain projection fall back,
     said in the log); `full_logits`: the reference, every position's logits in fp32."""
+
+    @property
+    def checkpointing(self) -> Literal["none", "full", "selective"]:
+        """`activation_checkpointing` as a policy: true is full, false is none."""
+        value = self.activation_checkpointing
+        return "full" if value is True else "none" if value is False else value
 
 
 @dataclass(kw_only=True)

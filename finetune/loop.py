@@ -147,7 +147,7 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
     accelerator = build_accelerator(
         trackers=recipe.output.trackers,
         project_dir=str(output_dir),
-        recipe_activation_checkpointing=recipe.train.activation_checkpointing,
+        recipe_activation_checkpointing=recipe.train.checkpointing != "none",
         param_dtype=DTYPES[recipe.model.dtype],
     )
     set_seed(recipe.train.seed)
@@ -163,7 +163,7 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
         quantization = quantization_config(DTYPES[recipe.model.dtype])
     model = load_model(
         recipe.model,
-        recipe.train.activation_checkpointing,
+        recipe.train.checkpointing,
         read_weights=not started_on_meta,
         quantization=quantization,
     )
@@ -443,6 +443,12 @@ def _check_shared_output_dir(output_dir: Path, accelerator: Accelerator) -> None
         )
 
 
+_RECOMPUTED = {
+    "full": "each decoder layer keeps its input and recomputes its forward in backward",
+    "selective": "decoder layers keep matmul and attention outputs and recompute the rest",
+}
+
+
 def _log_setup(
     accelerator: Accelerator,
     recipe: RecipeConfig,
@@ -470,6 +476,10 @@ def _log_setup(
         f"{processes} processes = {global_batch} sequences per step, {max_steps} steps",
         data.train_stats.describe("train data"),
     ]
+    if recipe.train.checkpointing != "none":
+        lines.insert(
+            3, f"activation checkpointing: {recipe.train.checkpointing} ({_RECOMPUTED[recipe.train.checkpointing]})"
+        )
     if recipe.peft is not None:
         from finetune.adapters import describe_adapters
 

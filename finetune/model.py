@@ -22,6 +22,7 @@ from transformers import (
 
 from finetune.config import ModelConfig
 from finetune.errors import FinetuneError, first_line
+from finetune.recompute import Policy, checkpoint_kwargs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DROPOUT_MODULES = (
@@ -136,7 +137,7 @@ def meta_model(config: PretrainedConfig) -> PreTrainedModel:
 
 
 def load_model(
-    cfg: ModelConfig, activation_checkpointing: bool, *, read_weights: bool = True, quantization: Any = None
+    cfg: ModelConfig, activation_checkpointing: Policy, *, read_weights: bool = True, quantization: Any = None
 ) -> PreTrainedModel:
     """The model in the recipe's parameter dtype, never in the checkpoint's dtype by accident;
     `quantization` is a transformers quantization config (QLoRA's 4-bit base) or None.
@@ -164,8 +165,8 @@ def load_model(
             f"cannot load a causal LM from {cfg.name_or_path!r} ({first_line(exc)}); set model.name_or_path "
             "to a hub id or a local folder with config.json and safetensors weights"
         ) from None
-    if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if activation_checkpointing != "none":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(activation_checkpointing))
     # from_pretrained returns the model in eval mode, where dropout and activation checkpointing are off.
     model.train()
     return model
@@ -194,7 +195,7 @@ def checkpoint_dropout_exactly(plugin: FullyShardedDataParallelPlugin, model: Pr
             f"{offload}): set fsdp_activation_checkpointing: false"
         )
     plugin.activation_checkpointing = False
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs("full"))
     return (
         f"activation checkpointing: the model trains with dropout ({dropout}), so its layers are checkpointed "
         "by transformers, which replays the dropout masks, not by accelerate's FSDP2 wrapper, which draws new ones"

@@ -41,6 +41,7 @@ from finetune.model import DTYPES, load_model_config, meta_model
 
 if TYPE_CHECKING:
     from finetune.loss import LossPath
+    from finetune.recompute import Policy
 from finetune.wrap import wrap_classes
 
 _MIXED = {"bf16": 2, "fp16": 2}
@@ -78,21 +79,21 @@ class Estimate:
     gather_buffers: int
     activations: int
     activations_checkpointed: int
+    activations_selective: int
     host_at_load: int
     host_at_export: int
     device_at_load: int = 0
     """QLoRA only: the whole 4-bit base (and adapters) on each device before sharding; else 0."""
 
-    def device_total(self, checkpointing: bool) -> int:
-        return (
-            self.parameters
-            + self.gradients
-            + self.optimizer_state
-            + self.gather_buffers
-            + (self.activations_checkpointed if checkpointing else self.activations)
-        )
+    def device_total(self, checkpointing: bool | Policy) -> int:
+        """Bytes while training, with activation checkpointing (true: full) or a policy's name."""
+        policy = {True: "full", False: "none"}.get(checkpointing, checkpointing)  # type: ignore[call-overload]
+        activations = {
+            "none": self.activations, "full": self.activations_checkpointed, "selective": self.activations_selective,
+        }[policy]  # fmt: skip
+        return self.parameters + self.gradients + self.optimizer_state + self.gather_buffers + activations
 
-    def device_peak(self, checkpointing: bool) -> int:
+    def device_peak(self, checkpointing: bool | Policy) -> int:
         """The most a device holds: while training, or while loading a QLoRA base."""
         return max(self.device_total(checkpointing), self.device_at_load)
 
@@ -140,7 +141,7 @@ def model_shape(model: PreTrainedModel) -> ModelShape:
 
 
 def activation_bytes(
-    shape: ModelShape, tokens: int, compute_bytes: int, checkpointing: bool, loss: LossPath = "chunked"
+    shape: ModelShape, tokens: int, compute_bytes: int, checkpointing: bool | Policy, loss: LossPath = "chunked"
 ) -> int:
     """Bytes saved for backward in one micro-batch of `tokens` tokens (batch x sequence).
 
@@ -151,9 +152,11 @@ def activation_bytes(
     The head, with `full_logits`, keeps the logits and the fp32 log-softmax of the loss: V*(c + 4)
     per token; `chunked` keeps the gradient of each token's hidden state (c*h) and, when the head
     trains, its weight's gradient (c*V*h, once) — every token counted as a target, the worst case.
-    With activation checkpointing each layer keeps only its input, and one layer's activations
-    exist again while it is recomputed in backward.
+    With full activation checkpointing each layer keeps only its input, and one layer's activations
+    exist again while it is recomputed in backward; with selective checkpointing it also keeps its
+    matmul and attention outputs (q, k, v, attention, o, gate, up, down: 4h + 2kv + 2i values).
     """
+    policy = {True: "full", False: "none"}.get(checkpointing, checkpointing)  # type: ignore[call-overload]
     per_layer = compute_bytes * (7 * shape.hidden + 3 * shape.kv_hidden + 4 * shape.intermediate)
     if compute_bytes < 4:
         per_layer += 2 * 2 * shape.hidden * 4
@@ -163,8 +166,11 @@ def activation_bytes(
         head = tokens * compute_bytes * shape.hidden + (
             0 if shape.adapters else compute_bytes * shape.vocab * shape.hidden
         )
-    if checkpointing:
+    if policy == "full":
         return tokens * (shape.layers * shape.hidden * compute_bytes + per_layer) + head
+    if policy == "selective":
+        kept = compute_bytes * (5 * shape.hidden + 2 * shape.kv_hidden + 2 * shape.intermediate)
+        return tokens * (shape.layers * kept + per_layer) + head
     return tokens * shape.layers * per_layer + head
 
 
@@ -193,6 +199,7 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     tokens = recipe.train.micro_batch_size * recipe.data.max_length
     activations = activation_bytes(shape, tokens, compute_bytes, checkpointing=False, loss=recipe.train.loss)
     checkpointed = activation_bytes(shape, tokens, compute_bytes, checkpointing=True, loss=recipe.train.loss)
+    selective = activation_bytes(shape, tokens, compute_bytes, checkpointing="selective", loss=recipe.train.loss)
     processes_per_host = launch.processes_per_machine
     full_model = shape.parameters * param_bytes
     # Loading: every process reads the full model, unless rank 0 alone does (cpu_ram_efficient_loading).
@@ -205,8 +212,8 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     # `finetune export` holds about one 5 GB output shard plus a tenth of it being converted.
     host_export = min(full_model, 5 * 10**9) * 12 // 10
     return Estimate(
-        strategy, parameters, gradients, optimizer, gather, activations, checkpointed, host_load, host_export,
-        device_load,
+        strategy, parameters, gradients, optimizer, gather, activations, checkpointed, selective, host_load,
+        host_export, device_load,
     )  # fmt: skip
 
 
@@ -251,6 +258,12 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
             f"{e.device_total(True) / gib:>9.2f}"
         )
     chosen = estimates[launch.strategy]
+    policy = "full" if launch.activation_checkpointing else recipe.train.checkpointing
+    lines.append(
+        f"activation checkpointing (this run: {policy}), activations per device: none "
+        f"{chosen.activations / gib:.2f}, selective {chosen.activations_selective / gib:.2f}, full "
+        f"{chosen.activations_checkpointed / gib:.2f} {unit_name}"
+    )
     lines.append(
         f"host RAM per machine: {chosen.host_at_load / gib:.1f} {unit_name} at load"
         f"{' (rank 0 loads, cpu_ram_efficient_loading)' if launch.cpu_ram_efficient_loading else ''}, "
@@ -267,7 +280,7 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
 
 def verdict(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     """fits / fits with checkpointing or offload / does not fit, for the configured strategy."""
-    checkpointing = launch.activation_checkpointing or recipe.train.activation_checkpointing
+    checkpointing = "full" if launch.activation_checkpointing else recipe.train.checkpointing
     chosen = estimate(shape, recipe, launch, launch.strategy)
     if chosen.device_at_load > gpu_memory:
         return (
@@ -279,8 +292,10 @@ def verdict(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory:
     if need <= gpu_memory:
         at_load = " at load" if chosen.device_at_load > chosen.device_total(checkpointing) else ""
         return f"fits ({need / 2**30:.1f} of {gpu_memory / 2**30:.1f} GiB{at_load})"
-    if not checkpointing and chosen.device_total(True) <= gpu_memory:
-        return "fits with activation checkpointing (fsdp_activation_checkpointing: true)"
+    if checkpointing == "none" and chosen.device_total("selective") <= gpu_memory:
+        return "fits with selective activation checkpointing (train.activation_checkpointing: selective)"
+    if checkpointing != "full" and chosen.device_total("full") <= gpu_memory:
+        return "fits with activation checkpointing (train.activation_checkpointing: full)"
     if launch.strategy != "ddp" and not launch.offload:
         offloaded = estimate(
             shape, recipe, replace(launch, offload=True, activation_checkpointing=True), launch.strategy

@@ -76,8 +76,12 @@ def test_plan_command_gives_a_table_and_a_verdict(demo_assets):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "858,752 parameters" in result.stdout and "* full_shard" in result.stdout
     assert "verdict (* = this config): fits" in result.stdout
+    assert "activation checkpointing (this run: none), activations per device: none" in result.stdout
+    # The cheapest policy that fits: selective (keeps matmul outputs), then full.
     tight = run_plan(model, "--config", config, "--num-processes", "2", "--gpu-memory", "0.03GB")
-    assert "fits with activation checkpointing" in tight.stdout
+    assert "fits with selective activation checkpointing (train.activation_checkpointing: selective)" in tight.stdout
+    tighter = run_plan(model, "--config", config, "--num-processes", "2", "--gpu-memory", "0.02GB")
+    assert "fits with activation checkpointing (train.activation_checkpointing: full)" in tighter.stdout
     tiny = run_plan(model, "--config", config, "--num-processes", "2", "--gpu-memory", "1MB")
     assert "does not fit" in tiny.stdout
     bad = run_plan(model, "--config", config, "--num-processes", "3", "--num-machines", "2")

@@ -1,0 +1,78 @@
+"""Activation checkpointing policies: `selective` and `full` give the gradients of `none`, dropout
+included (the random state is replayed), and differ in what backward recomputes: full redoes every
+matmul of the forward, selective none of them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from test_loss import ARCHITECTURES, packed_batch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from finetune.config import ModelConfig
+from finetune.loss import batch_loss
+from finetune.model import load_model
+from finetune.recompute import checkpoint_kwargs
+
+MODELS = {
+    "llama": ARCHITECTURES["llama"],
+    "gpt2-dropout": transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4),  # dropout 0.1
+}
+
+
+class CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def gradients_and_backward_matmuls(model: torch.nn.Module, policy: str) -> tuple[list[torch.Tensor], int]:
+    model = copy.deepcopy(model)
+    if policy != "none":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(policy))
+    model.train()
+    torch.manual_seed(7)  # the dropout masks of the forward
+    loss = batch_loss(model, packed_batch(), "full_logits").total
+    with CountMatmuls() as counter:
+        loss.backward()
+    return [p.grad for p in model.parameters()], counter.count
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_checkpointing_policies_give_the_gradients_of_none(name):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(MODELS[name])
+    reference, plain_matmuls = gradients_and_backward_matmuls(model, "none")
+    recomputed = {}
+    for policy in ("selective", "full"):
+        grads, recomputed[policy] = gradients_and_backward_matmuls(model, policy)
+        for got, expected in zip(grads, reference, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    # full reruns each layer's forward matmuls in backward; selective kept their outputs.
+    assert recomputed["selective"] == plain_matmuls < recomputed["full"]
+
+
+def test_the_recipe_policy_reaches_the_model(demo_assets):
+    from finetune.config import TrainConfig
+
+    for value, policy in (
+        (False, "none"),
+        ("none", "none"),
+        (True, "full"),
+        ("full", "full"),
+        ("selective", "selective"),
+    ):
+        assert TrainConfig(micro_batch_size=1, activation_checkpointing=value).checkpointing == policy
+        model = load_model(ModelConfig(name_or_path=str(demo_assets / "base")), policy)
+        assert model.is_activation_checkpointing == (policy != "none")
+        if policy != "none":
+            layer_checkpoint = model.model.layers[0]._gradient_checkpointing_func
+            assert ("context_fn" in layer_checkpoint.keywords) == (policy == "selective")
