@@ -75,9 +75,9 @@ train-gpt2-xl: RECIPE = recipes/gpt2/gpt2-xl.yaml
 train-gpt2-xl: WRAP = GPT2Block
 train-gpt2-xl: CONFIG = accelerate_configs/single_node.yaml
 train-gpt2-xl: NUM_PROCESSES = 8
-train-1b: ## Llama-3.2-1B-Instruct, No Robots, 8 GPUs, single-node preset
+train-1b: ## Llama-3.2-1B-Instruct, No Robots, 8 GPUs, FSDP2 without activation checkpointing
 train-1b: RECIPE = recipes/llama/llama-3.2-1b.yaml
-train-1b: CONFIG = accelerate_configs/single_node.yaml
+train-1b: CONFIG = accelerate_configs/fsdp2_full_shard.yaml
 train-1b: NUM_PROCESSES = 8
 train-8b: ## Llama-3.1-8B-Instruct, UltraChat, 8 GPUs, single-node preset
 train-8b: RECIPE = recipes/llama/llama-3.1-8b.yaml
