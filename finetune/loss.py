@@ -53,7 +53,7 @@ class BatchLoss:
 
 def batch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], path: LossPath) -> BatchLoss:
     """The summed next-token loss of a batch of `input_ids` / `target_ids` rows (IGNORE where none)."""
-    inputs = {key: value for key, value in batch.items() if key in MODEL_INPUTS}
+    inputs = model_inputs(model, batch)
     targets = batch["target_ids"]
     if path == "full_logits":
         logits = model(**inputs, use_cache=False).logits  # a KV cache only costs memory here
@@ -66,10 +66,31 @@ def batch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], path: Los
     kept = targets != IGNORE
     with _head_computes_loss(output_head(model), targets[kept]) as per_token:
         # The loss comes out as the model's output (`logits`, one value): FSDP hooks its backward on outputs.
-        total = model(**inputs, use_cache=False, logits_to_keep=kept).logits.reshape(())
+        logits_to_keep = kept.reshape(inputs["input_ids"].shape)  # rows made one for flash attention stay in order
+        total = model(**inputs, use_cache=False, logits_to_keep=logits_to_keep).logits.reshape(())
     rows = torch.arange(targets.shape[0], device=targets.device).unsqueeze(1).expand_as(targets)[kept]
     per_row = torch.zeros(targets.shape[0], device=targets.device).index_add_(0, rows, per_token[0])
     return BatchLoss(total, per_row)
+
+
+def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the model is given of a batch. Packed rows (samples told apart by `position_ids` restarting,
+    no attention mask) become one row for flash-attention kernels: transformers derives their sample
+    boundaries from `position_ids` only when the batch has one row, and with more it would let every
+    row attend across its samples without a word. The rows' boundaries are restarts too, so one row
+    of all of them attends exactly as the rows did; the loss reads the outputs in the same order."""
+    inputs = {key: value for key, value in batch.items() if key in MODEL_INPUTS}
+    packed = "position_ids" in inputs and "attention_mask" not in inputs and inputs["input_ids"].shape[0] > 1
+    if packed and _flash_attention(model):
+        inputs = {key: value.reshape(1, -1) for key, value in inputs.items()}
+    return inputs
+
+
+def _flash_attention(model: torch.nn.Module) -> bool:
+    from transformers.utils.generic import is_flash_attention_requested
+
+    config = getattr(getattr(model, "module", model), "config", None)
+    return config is not None and is_flash_attention_requested(config)
 
 
 def choose_loss_path(requested: LossPath, model: torch.nn.Module) -> tuple[LossPath, str]:

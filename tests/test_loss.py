@@ -113,3 +113,37 @@ def test_under_fsdp2_the_chunked_loss_trains_as_the_reference(fsdp2_run, demo_as
     torch.testing.assert_close(fsdp2_run.losses(), reference.losses(), rtol=1e-5, atol=1e-6)
     evaluations = [[m["eval_loss"] for m in run.metrics() if "eval_loss" in m] for run in (fsdp2_run, reference)]
     torch.testing.assert_close(*evaluations, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_rows_become_one_row_for_flash_attention(monkeypatch):
+    """transformers finds packed samples' boundaries from position_ids for flash attention only in a batch of
+    one row; with more, every row would attend across its samples. Packed rows go in as one row then, and
+    give the losses of the rows (checked under SDPA, which reads one row's restarts the same way)."""
+    from finetune.loss import _flash_attention, model_inputs
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(ARCHITECTURES["llama"])
+    batch = packed_batch()
+    assert not _flash_attention(model) and model_inputs(model, batch)["input_ids"].shape == (2, 24)
+    flash = copy.deepcopy(model.config)
+    flash._attn_implementation = "flash_attention_2"
+    assert _flash_attention(type("Flash", (), {"config": flash})())
+    expected = {path: batch_loss(model, batch, path).per_row for path in ("full_logits", "chunked")}
+    monkeypatch.setattr(loss_module, "_flash_attention", lambda model: True)
+    flat = model_inputs(model, batch)
+    assert flat["input_ids"].shape == (1, 48)
+    assert torch.equal(flat["position_ids"], batch["position_ids"].reshape(1, -1))
+    for path, per_row in expected.items():
+        torch.testing.assert_close(batch_loss(model, batch, path).per_row, per_row, rtol=1e-5, atol=1e-5)
+    # Padded rows (an attention mask) are left as they are; so is a single row.
+    padded = {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
+    assert model_inputs(model, padded)["input_ids"].shape == (2, 24)
+
+
+def test_packed_batches_carry_no_attention_mask():
+    """An all-ones 2-D attention mask would turn transformers' packed-sample detection off (attention across
+    samples); packed batches give position_ids alone."""
+    from finetune.data.pack import collate_packed
+
+    rows = [{"input_ids": [1, 2, 3], "target_ids": [2, 3, -100], "position_ids": [0, 1, 0], "num_tokens": 3}] * 2
+    assert "attention_mask" not in collate_packed(rows)
