@@ -84,10 +84,20 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def use_expandable_segments(environ: dict[str, str] | os._Environ) -> None:
+    """Let the CUDA caching allocator grow segments instead of carving fixed blocks, which leaves less
+    memory stranded in fragments by the changing shapes of packed batches; read when CUDA first
+    allocates, so it is set before anything is imported that could. An allocator setting the user gave
+    (either variable name) is left alone; CPU runs never read it."""
+    if "PYTORCH_CUDA_ALLOC_CONF" not in environ and "PYTORCH_ALLOC_CONF" not in environ:
+        environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
 def _train(recipe_path: str, overrides: list[str]) -> None:
     from finetune.config import load_recipe
 
     recipe = load_recipe(recipe_path, overrides)  # before the slow imports: typos fail fast
+    use_expandable_segments(os.environ)
     from finetune.distributed import shutdown
     from finetune.export import export_checkpoint
     from finetune.loop import preflight, train

@@ -188,7 +188,7 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
         if replaced:
             accelerator.print(replaced)
     broadcast_module_states(accelerator, model)
-    optimizer = build_optimizer(model.parameters(), recipe.optim)
+    optimizer = build_optimizer(model.parameters(), recipe.optim, fused=accelerator.device.type == "cuda")
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, data.train_loader)
     if started_on_meta:
         # accelerate hands the optimizer its sharded parameters by matching storage addresses, which

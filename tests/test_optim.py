@@ -35,3 +35,39 @@ def test_cosine_and_linear_midpoints():
 
 def test_constant_after_warmup():
     assert factors("constant")[2:] == [1.0] * 10
+
+
+def test_fused_adamw_makes_the_updates_of_the_default_one():
+    """The loop asks for fused AdamW on CUDA; torch's CPU kernel of the same path is checked here."""
+    import torch
+
+    from finetune.config import OptimConfig
+    from finetune.optim import build_optimizer
+
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(33, 17, generator=generator), torch.randn(5, generator=generator)]
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
+    runs = {}
+    for fused in (False, True):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        optimizer = build_optimizer(params, cfg, fused=fused)
+        assert bool(optimizer.defaults["fused"]) == fused
+        for step in range(5):
+            for p in params:
+                p.grad = torch.sin(p.detach() * (step + 1))
+            optimizer.step()
+        runs[fused] = params
+    for a, b in zip(runs[False], runs[True], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_the_training_command_lets_the_cuda_allocator_expand_segments():
+    from finetune.cli import use_expandable_segments
+
+    environ: dict[str, str] = {}
+    use_expandable_segments(environ)
+    assert environ == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for given in ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}, {"PYTORCH_ALLOC_CONF": "x:1"}):
+        kept = dict(given)
+        use_expandable_segments(kept)
+        assert kept == given  # a setting of the user's stays
