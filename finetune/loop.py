@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, broadcast_object_list, set_seed
+from accelerate.utils import DistributedType, DynamoBackend, broadcast_object_list, set_seed
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -476,6 +476,13 @@ def _log_setup(
         f"{processes} processes = {global_batch} sequences per step, {max_steps} steps",
         data.train_stats.describe("train data"),
     ]
+    compiled = sum(getattr(module, "_compiled_call_impl", None) is not None for module in model.modules())
+    if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
+        regional = accelerator.state.dynamo_plugin.use_regional_compilation
+        lines.append(
+            f"compile: {accelerator.state.dynamo_plugin.backend.value.lower()}, "
+            + (f"regional ({compiled} modules compiled in place)" if regional else "the whole model")
+        )
     if recipe.train.checkpointing != "none":
         lines.insert(
             3, f"activation checkpointing: {recipe.train.checkpointing} ({_RECOMPUTED[recipe.train.checkpointing]})"
