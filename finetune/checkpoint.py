@@ -12,19 +12,23 @@ dies halfway never looks complete and never replaces the previous checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import pickle
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
+from accelerate.checkpointing import save_accelerator_state
 from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -214,21 +218,34 @@ def tensor_names(model: torch.nn.Module) -> list[list[str]]:
     return list(groups.values())
 
 
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint whose state is written or being written into `step_<N>.partial/`; it becomes
+    complete (marker, rename, pruning) in `finish_checkpoint`, only once every rank's writes ended."""
+
+    partial: Path
+    final: Path
+    step: int
+    keep_last: int
+    uploads: list[Future] = field(default_factory=list)
+    """Writes still running in the background (asynchronous saves); empty for a synchronous save."""
+
+
 def save_checkpoint(
     accelerator: Accelerator,
     output_dir: Path,
     state: TrainerState,
     recipe: RecipeConfig,
-    keep_last: int,
     write_model_files: Callable[[Path], None],
     names: list[list[str]],
-    save_state: Callable[[Path], None],
-) -> Path:
-    """Write `step_<N>` atomically on every process (collective), then prune to the newest `keep_last`.
+    save_state: Callable[[Path], Any],
+) -> PendingCheckpoint:
+    """Start writing `step_<N>` on every process (collective); `finish_checkpoint` completes it.
 
-    `save_state(folder)` writes the training state there (collective: accelerate's save_state, or
-    the adapters' own); `write_model_files(folder)` writes the config, generation config and
-    tokenizer files; `names` are the model's `tensor_names`, taken before FSDP wrapped it.
+    `save_state(folder)` writes the training state there (collective: accelerate's save_state, the
+    adapters' own, or DCP's asynchronous save, which returns the futures of its background writes);
+    `write_model_files(folder)` writes the config, generation config and tokenizer files; `names` are
+    the model's `tensor_names`, taken before FSDP wrapped it.
     """
     root = checkpoints_root(output_dir)
     final = root / f"step_{state.step}"
@@ -237,26 +254,67 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    try:
-        save_state(partial)
-    except (OSError, SafetensorError, CheckpointException) as exc:  # a full disk or quota, as each writer reports it
-        raise FinetuneError(
-            f"cannot write checkpoint {final} ({first_line(exc)}); free space under {output_dir} (the previous "
-            "checkpoints are intact) and resume with checkpoint.resume=auto"
-        ) from None
-    accelerator.wait_for_everyone()  # every rank's shards are on disk before the checkpoint is declared complete
+    with _write_errors(final, output_dir):
+        written = save_state(partial)  # accelerate's returns the folder; only futures are waited on
+    uploads = written if isinstance(written, list) else []
     if accelerator.is_main_process:
         (partial / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
         save_recipe(recipe, partial / "recipe.yaml")
         write_model_files(partial / MODEL_FILES)
         (partial / TENSOR_NAMES).write_text(json.dumps(names))
-        _write_synced(partial / MARKER, f"step {state.step}\n")
-        shutil.rmtree(final, ignore_errors=True)  # a complete checkpoint of the same step from an earlier run
-        os.replace(partial, final)
-        for old in complete_checkpoints(root)[:-keep_last]:
+    return PendingCheckpoint(partial, final, state.step, recipe.checkpoint.keep_last, uploads)
+
+
+def finish_checkpoint(accelerator: Accelerator, pending: PendingCheckpoint) -> Path:
+    """Wait for this rank's writes, then (all ranks' shards on disk) declare the checkpoint complete:
+    marker written last, renamed into place, older checkpoints pruned to `keep_last` (collective)."""
+    with _write_errors(pending.final, pending.final.parent.parent):
+        for upload in pending.uploads:
+            upload.result()
+    accelerator.wait_for_everyone()  # every rank's shards are on disk before the checkpoint is declared complete
+    if accelerator.is_main_process:
+        _write_synced(pending.partial / MARKER, f"step {pending.step}\n")
+        shutil.rmtree(pending.final, ignore_errors=True)  # a complete checkpoint of the same step from an earlier run
+        os.replace(pending.partial, pending.final)
+        for old in complete_checkpoints(pending.final.parent)[: -pending.keep_last]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
-    return final
+    return pending.final
+
+
+@contextlib.contextmanager
+def _write_errors(final: Path, output_dir: Path) -> Iterator[None]:
+    try:
+        yield
+    except (OSError, SafetensorError, CheckpointException) as exc:  # a full disk or quota, as each writer reports it
+        raise FinetuneError(
+            f"cannot write checkpoint {final} ({first_line(exc)}); free space under {output_dir} (the previous "
+            "checkpoints are intact) and resume with checkpoint.resume=auto"
+        ) from None
+
+
+def async_save_state(
+    accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, groups: tuple[Any, Any], folder: Path
+) -> list[Future]:
+    """accelerate's SHARDED checkpoint of an FSDP2 run (the same folders: `pytorch_model_fsdp_0/` with
+    {"model": ...}, `optimizer_0/` with {"optimizer": ...}, then the RNG and sampler states), written by
+    DCP's asynchronous save: the state is copied to host memory before this returns (training may then
+    change it) and each folder is written by a background thread that talks over a gloo group of its own
+    (`groups`), so that no two threads' collectives interleave."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    states = {
+        "pytorch_model_fsdp_0": {"model": get_model_state_dict(model)},
+        "optimizer_0": {"optimizer": get_optimizer_state_dict(model, optimizer.optimizer)},
+    }
+    uploads = [
+        dcp.async_save(state, checkpoint_id=folder / name, process_group=group)
+        for (name, state), group in zip(states.items(), groups, strict=True)
+    ]
+    save_accelerator_state(
+        str(folder), [], [], [], accelerator._dataloaders, accelerator.process_index, accelerator.step
+    )
+    return uploads
 
 
 def check_resume_kind(path: Path, adapters: bool) -> None:

@@ -227,6 +227,11 @@ class CheckpointConfig:
     """`auto`: continue from the latest complete checkpoint in output.dir (or start fresh if there is
     none); or the path of a `step_<N>` checkpoint folder."""
 
+    async_save: bool = False
+    """Write checkpoints in the background (DCP's asynchronous save; FSDP2 with SHARDED_STATE_DICT, full
+    fine-tuning): training stops only while the state is copied to host memory. A checkpoint is marked
+    complete only once every rank's writes ended, before the next save starts or at the end."""
+
 
 @dataclass(kw_only=True)
 class PeftConfig:

@@ -16,9 +16,11 @@ import math
 import secrets
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -28,10 +30,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from finetune.checkpoint import (
+    PendingCheckpoint,
     TrainerState,
+    async_save_state,
     check_resume_base,
     check_resume_kind,
     checkpoints_root,
+    finish_checkpoint,
     load_checkpoint,
     resolve_resume,
     save_checkpoint,
@@ -101,8 +106,9 @@ class Run:
     output_dir: Path
     write_model_files: Callable[[Path], None]
     tensor_names: list[list[str]]
-    save_state: Callable[[Path], None]
-    """Writes the training state into a checkpoint folder (collective): accelerate's, or the adapters' only."""
+    save_state: Callable[[Path], Any]
+    """Writes the training state into a checkpoint folder (collective): accelerate's, the adapters' only, or
+    DCP's asynchronous save (which returns the futures of its background writes)."""
     loss_path: LossPath
 
 
@@ -209,6 +215,8 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
         load_state = functools.partial(peft_adapters.load_adapter_state, accelerator, model, optimizer)
     else:
         save_state, load_state = (lambda folder: accelerator.save_state(str(folder))), accelerator.load_state
+    if recipe.checkpoint.async_save:
+        save_state = _async_saver(accelerator, model, optimizer, adapters is not None)
     loss_path, loss_line = choose_loss_path(recipe.train.loss, accelerator.unwrap_model(model))
     run = Run(
         recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, max_steps, output_dir,
@@ -241,6 +249,22 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
     return TrainResult(output_dir, final if _saves_last_step(recipe) else None)
 
 
+def _async_saver(
+    accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, adapters: bool
+) -> Callable[[Path], list[Future]]:
+    """checkpoint.async_save: DCP's asynchronous save of accelerate's SHARDED layout, over gloo groups of its
+    own (created here, on every rank): its background threads never share a group with training or each other."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    sharded = plugin is not None and plugin.fsdp_version == 2 and plugin.state_dict_type.name == "SHARDED_STATE_DICT"
+    if not sharded or adapters:
+        raise FinetuneError(
+            "checkpoint.async_save needs full fine-tuning under FSDP2 with fsdp_state_dict_type: SHARDED_STATE_DICT "
+            "(e.g. accelerate_configs/fsdp2_full_shard.yaml); set checkpoint.async_save=false for this launch"
+        )
+    groups = (torch.distributed.new_group(backend="gloo"), torch.distributed.new_group(backend="gloo"))
+    return functools.partial(async_save_state, accelerator, model, optimizer, groups)
+
+
 def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[str, int]:
     """Train from `start` to `run.max_steps`, logging, evaluating and checkpointing on schedule.
 
@@ -259,6 +283,7 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
     peak = peak_flops(accelerator.device)
     windows = _accumulation_windows(run.train_loader, accumulation, start, rows_per_micro_batch, accelerator)
     probe: MemoryProbe | None = MemoryProbe(run.model, accelerator)  # measures this run's first step
+    pending: PendingCheckpoint | None = None  # an asynchronous save still writing
     metrics.advance(start.step)
     with PreemptionSignals(enabled=save_every > 0) as preemption:
         for step in range(start.step + 1, run.max_steps + 1):
@@ -308,17 +333,24 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
                     run.scheduler.state_dict(),
                 )
                 began = time.perf_counter()
-                save_checkpoint(
-                    accelerator, run.output_dir, state, recipe, recipe.checkpoint.keep_last, run.write_model_files,
-                    run.tensor_names, run.save_state,
-                )  # fmt: skip
-                # How long training stood still for this save (saves are synchronous on every rank);
-                # kept out of the next logged step time.
+                if pending is not None:  # the previous asynchronous save: its writes end before the next starts
+                    finish_checkpoint(accelerator, pending)
+                pending = save_checkpoint(
+                    accelerator, run.output_dir, state, recipe, run.write_model_files, run.tensor_names, run.save_state
+                )
+                if not recipe.checkpoint.async_save:
+                    finish_checkpoint(accelerator, pending)
+                    pending = None
+                # How long training stood still for this save; kept out of the next logged step time.
                 saving = time.perf_counter() - began
                 metrics.log(step, {"checkpoint_seconds": saving})
                 last_log_time += saving
             if stop and not last_step:
+                if pending is not None:
+                    finish_checkpoint(accelerator, pending)
                 return f"{data_fingerprint.item():x}", step
+    if pending is not None:  # the last save completes before export reads it
+        finish_checkpoint(accelerator, pending)
     return f"{data_fingerprint.item():x}", 0
 
 

@@ -100,6 +100,35 @@ def test_resume_on_two_processes(one_process_run, uninterrupted, demo_assets, tm
     assert max_weight_difference(uninterrupted, resumed) <= 1e-5
 
 
+def test_asynchronous_saves_write_the_same_checkpoints_and_resume_exactly(uninterrupted, demo_assets, tmp_path):
+    """checkpoint.async_save: DCP writes in the background; the checkpoints have the synchronous ones' folders,
+    marker and pruning, and step 6 resumes to the uninterrupted run's losses and weights (the state was
+    copied to host memory before training changed it)."""
+    async_run = run_with(demo_assets, tmp_path / "async", **{"checkpoint.async_save": "true"})
+    assert losses_by_step(async_run) == losses_by_step(uninterrupted)
+    root, reference = async_run.output_dir / "checkpoints", uninterrupted.output_dir / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_6", "step_8"]
+    for step in ("step_6", "step_8"):
+        assert (root / step / MARKER).exists()
+        assert sorted(p.name for p in (root / step).iterdir()) == sorted(p.name for p in (reference / step).iterdir())
+    assert all(m["checkpoint_seconds"] >= 0 for m in async_run.metrics() if "checkpoint_seconds" in m)
+    resumed = run_with(demo_assets, resume_from_step_6(async_run, tmp_path), **{"checkpoint.resume": "auto"})
+    full, again = losses_by_step(uninterrupted), losses_by_step(resumed)
+    for step in (7, 8):
+        assert again[step] == pytest.approx(full[step], abs=1e-6)
+    assert max_weight_difference(uninterrupted, resumed) <= 1e-6
+
+
+def test_asynchronous_saves_need_sharded_fsdp2():
+    from types import SimpleNamespace
+
+    from finetune.loop import _async_saver
+
+    ddp = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=None))
+    with pytest.raises(FinetuneError, match="checkpoint.async_save needs full fine-tuning under FSDP2 with"):
+        _async_saver(ddp, None, None, adapters=False)
+
+
 def test_full_state_dict_checkpoint_resumes_on_one_process(uninterrupted, demo_assets, tmp_path_factory):
     """FULL checkpoints (the shard-grad-op config) saved by 2 processes resume on 1."""
     config = "fsdp2_shard_grad_op.yaml"
