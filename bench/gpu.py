@@ -5,8 +5,9 @@
 The model has Llama-3.2-1B's architecture (recipes/llama/configs/Llama-3.2-1B-Instruct/config.json)
 and random weights, so nothing is downloaded; the data is synthetic text packed into full rows of
 2048 tokens. Each variant is one `accelerate launch` of `finetune train` with the single-node preset
-(FSDP2 full shard, bf16 compute over float32 master weights) on every visible GPU: with activation
-checkpointing, without it, and without it under torch.compile. Reported per GPU: tokens/s, MFU
+(FSDP2 full shard, bf16 compute over float32 master weights) on every visible GPU, one lever changed
+at a time (VARIANTS): the loss path, the activation-checkpointing policy, regional compilation.
+Reported per GPU: tokens/s, MFU
 (finetune.flops: 6 N + 6 L s d_attn model FLOPs per token over the device's dense bf16 peak) and
 the step-1 peak memory. Results: bench/results/<date>-<commit>-gpu.json and .md, whose table is
 what docs/benchmarks.md quotes. `--quick` runs a tiny model on 2 CPU processes (what the tests run).
@@ -25,10 +26,17 @@ from pathlib import Path
 from run import CONFIGS, ENV, RECIPE, REPO, _free_port, _git, _steady
 
 SHAPE = REPO / "recipes" / "llama" / "configs" / "Llama-3.2-1B-Instruct" / "config.json"
-VARIANTS = {
-    "activation checkpointing": ["--fsdp_activation_checkpointing", "true"],
-    "no activation checkpointing": ["--fsdp_activation_checkpointing", "false"],
-    "no AC, torch.compile": ["--fsdp_activation_checkpointing", "false", "--dynamo_backend", "inductor"],
+NO_AC = ["--fsdp_activation_checkpointing", "false"]
+# One lever at a time against "chunked loss, no checkpointing" (the defaults): launch flags, recipe overrides.
+VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "full logits, no checkpointing": (NO_AC, {"train.loss": "full_logits"}),
+    "chunked loss, no checkpointing": (NO_AC, {}),
+    "chunked loss, selective checkpointing": (NO_AC, {"train.activation_checkpointing": "selective"}),
+    "chunked loss, full checkpointing": (["--fsdp_activation_checkpointing", "true"], {}),
+    "chunked loss, no checkpointing, regional compile": (
+        [*NO_AC, "--dynamo_backend", "inductor", "--dynamo_use_regional_compilation"],
+        {},
+    ),
 }
 
 
@@ -52,9 +60,9 @@ def main() -> None:
     device = "CPU (quick)" if args.quick else f"{gpus} x {torch.cuda.get_device_name(0)}"
     variants = {k: v for k, v in VARIANTS.items() if not (args.quick and "compile" in k)}
     rows = []
-    for name, launch_args in variants.items():
+    for name, (launch_args, recipe) in variants.items():
         print(f"bench-gpu: {name} ...", flush=True)
-        rows.append(measure(name, launch_args, model, data, work, seq, gpus, args))
+        rows.append(measure(name, launch_args, recipe, model, data, work, seq, gpus, args))
     results = {
         "date": __import__("datetime").date.today().isoformat(),
         "commit": _git("rev-parse", "--short", "HEAD"),
@@ -114,7 +122,10 @@ def build_data(work: Path, seq: int) -> Path:
     return path
 
 
-def measure(name: str, launch_args: list[str], model: Path, data: Path, work: Path, seq: int, gpus: int, args) -> dict:
+def measure(
+    name: str, launch_args: list[str], recipe: dict[str, str], model: Path, data: Path, work: Path, seq: int,
+    gpus: int, args,
+) -> dict:  # fmt: skip
     out = work / "runs" / name.replace(" ", "-").replace(",", "")
     overrides = {
         "model.name_or_path": model,
@@ -131,6 +142,7 @@ def measure(name: str, launch_args: list[str], model: Path, data: Path, work: Pa
         "output.overwrite": "true",
         "output.trackers": "[]",
         "output.export": "false",
+        **recipe,
     }
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "single_node.yaml"),
