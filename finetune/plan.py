@@ -85,15 +85,14 @@ class Estimate:
     device_at_load: int = 0
     """QLoRA only: the whole 4-bit base (and adapters) on each device before sharding; else 0."""
 
-    def device_total(self, checkpointing: bool | Policy) -> int:
-        """Bytes while training, with activation checkpointing (true: full) or a policy's name."""
-        policy = {True: "full", False: "none"}.get(checkpointing, checkpointing)  # type: ignore[call-overload]
+    def device_total(self, checkpointing: Policy) -> int:
+        """Bytes while training under an activation-checkpointing policy."""
         activations = {
             "none": self.activations, "full": self.activations_checkpointed, "selective": self.activations_selective,
-        }[policy]  # fmt: skip
+        }[checkpointing]  # fmt: skip
         return self.parameters + self.gradients + self.optimizer_state + self.gather_buffers + activations
 
-    def device_peak(self, checkpointing: bool | Policy) -> int:
+    def device_peak(self, checkpointing: Policy) -> int:
         """The most a device holds: while training, or while loading a QLoRA base."""
         return max(self.device_total(checkpointing), self.device_at_load)
 
@@ -141,7 +140,7 @@ def model_shape(model: PreTrainedModel) -> ModelShape:
 
 
 def activation_bytes(
-    shape: ModelShape, tokens: int, compute_bytes: int, checkpointing: bool | Policy, loss: LossPath = "chunked"
+    shape: ModelShape, tokens: int, compute_bytes: int, checkpointing: Policy, loss: LossPath = "chunked"
 ) -> int:
     """Bytes saved for backward in one micro-batch of `tokens` tokens (batch x sequence).
 
@@ -156,7 +155,6 @@ def activation_bytes(
     exist again while it is recomputed in backward; with selective checkpointing it also keeps its
     matmul and attention outputs (q, k, v, attention, o, gate, up, down: 4h + 2kv + 2i values).
     """
-    policy = {True: "full", False: "none"}.get(checkpointing, checkpointing)  # type: ignore[call-overload]
     per_layer = compute_bytes * (7 * shape.hidden + 3 * shape.kv_hidden + 4 * shape.intermediate)
     if compute_bytes < 4:
         per_layer += 2 * 2 * shape.hidden * 4
@@ -166,9 +164,9 @@ def activation_bytes(
         head = tokens * compute_bytes * shape.hidden + (
             0 if shape.adapters else compute_bytes * shape.vocab * shape.hidden
         )
-    if policy == "full":
+    if checkpointing == "full":
         return tokens * (shape.layers * shape.hidden * compute_bytes + per_layer) + head
-    if policy == "selective":
+    if checkpointing == "selective":
         kept = compute_bytes * (5 * shape.hidden + 2 * shape.kv_hidden + 2 * shape.intermediate)
         return tokens * (shape.layers * kept + per_layer) + head
     return tokens * shape.layers * per_layer + head
@@ -197,8 +195,8 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     else:  # DDP keeps full parameters; low-precision compute adds cast copies
         gather = shape.parameters * compute_bytes if compute_bytes != param_bytes else 0
     tokens = recipe.train.micro_batch_size * recipe.data.max_length
-    activations = activation_bytes(shape, tokens, compute_bytes, checkpointing=False, loss=recipe.train.loss)
-    checkpointed = activation_bytes(shape, tokens, compute_bytes, checkpointing=True, loss=recipe.train.loss)
+    activations = activation_bytes(shape, tokens, compute_bytes, checkpointing="none", loss=recipe.train.loss)
+    checkpointed = activation_bytes(shape, tokens, compute_bytes, checkpointing="full", loss=recipe.train.loss)
     selective = activation_bytes(shape, tokens, compute_bytes, checkpointing="selective", loss=recipe.train.loss)
     processes_per_host = launch.processes_per_machine
     full_model = shape.parameters * param_bytes
@@ -238,7 +236,7 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     """The report: a table per strategy and a verdict for the configured one."""
     shape = model_shape(planned_model(recipe))
     estimates = {strategy: estimate(shape, recipe, launch, strategy) for strategy in STRATEGIES}
-    largest = max(e.device_total(False) for e in estimates.values())
+    largest = max(e.device_total("none") for e in estimates.values())
     unit_name, gib = ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
     lines = [
         f"{shape.name}: {shape.parameters:,} parameters ({recipe.model.dtype}){_trainable(shape)}, largest wrap unit "
@@ -254,8 +252,8 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
         lines.append(
             f"{marker} {strategy:<15} {e.parameters / gib:>8.2f} {e.gradients / gib:>8.2f} "
             f"{e.optimizer_state / gib:>8.2f} {e.gather_buffers / gib:>8.2f} {e.activations / gib:>8.2f} "
-            f"{e.activations_checkpointed / gib:>8.2f} {e.device_total(False) / gib:>8.2f} "
-            f"{e.device_total(True) / gib:>9.2f}"
+            f"{e.activations_checkpointed / gib:>8.2f} {e.device_total('none') / gib:>8.2f} "
+            f"{e.device_total('full') / gib:>9.2f}"
         )
     chosen = estimates[launch.strategy]
     policy = "full" if launch.activation_checkpointing else recipe.train.checkpointing
@@ -300,7 +298,7 @@ def verdict(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory:
         offloaded = estimate(
             shape, recipe, replace(launch, offload=True, activation_checkpointing=True), launch.strategy
         )
-        if offloaded.device_total(True) <= gpu_memory:
+        if offloaded.device_total("full") <= gpu_memory:
             return "fits with CPU offload and activation checkpointing (accelerate_configs/fsdp2_offload.yaml)"
     more = math.ceil(need / gpu_memory * launch.num_processes)
     return (

@@ -123,7 +123,7 @@ def test_damaged_model_weights_are_a_user_error(tmp_path, demo_assets):
     with (model / "model.safetensors").open("r+b") as f:
         f.truncate(1000)
     with pytest.raises(FinetuneError, match=f"cannot load a causal LM from '{model}' \\(Error while deserializing"):
-        load_model(ModelConfig(name_or_path=str(model)), activation_checkpointing=False)
+        load_model(ModelConfig(name_or_path=str(model)), activation_checkpointing="none")
     with pytest.raises(
         FinetuneError, match="data.max_length=4096 exceeds the 256 positions of .*; set data.max_length"
     ):

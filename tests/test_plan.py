@@ -55,7 +55,7 @@ def test_activation_estimate_against_the_measured_bytes(fsdp2_run):
     """The first micro-batch of the packed fp32 run: 8 rows x 128 tokens. Measured error is stated in the README."""
     shape, recipe, _ = planned(fsdp2_run, "fsdp2_full_shard.yaml")
     tokens = recipe.train.micro_batch_size * recipe.data.max_length
-    estimate_bytes = activation_bytes(shape, tokens, 4, checkpointing=False)
+    estimate_bytes = activation_bytes(shape, tokens, 4, checkpointing="none")
     assert estimate_bytes == pytest.approx(measured(fsdp2_run)["activations"], rel=0.25)
 
 
