@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -27,16 +28,18 @@ from run import CONFIGS, ENV, RECIPE, REPO, _free_port, _git, _steady
 
 SHAPE = REPO / "recipes" / "llama" / "configs" / "Llama-3.2-1B-Instruct" / "config.json"
 NO_AC = ["--fsdp_activation_checkpointing", "false"]
-# One lever at a time against "chunked loss, no checkpointing" (the defaults): launch flags, recipe overrides.
+COMPILE = ["--dynamo_backend", "inductor", "--dynamo_use_regional_compilation"]
+VARLEN = {"model.attn_implementation": "varlen"}
+# One lever at a time against "chunked loss, no checkpointing" (the defaults), then all the levers that pay
+# together: name -> (launch flags, recipe overrides).
 VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {
     "full logits, no checkpointing": (NO_AC, {"train.loss": "full_logits"}),
     "chunked loss, no checkpointing": (NO_AC, {}),
+    "chunked loss, varlen attention": (NO_AC, VARLEN),
     "chunked loss, selective checkpointing": (NO_AC, {"train.activation_checkpointing": "selective"}),
     "chunked loss, full checkpointing": (["--fsdp_activation_checkpointing", "true"], {}),
-    "chunked loss, no checkpointing, regional compile": (
-        [*NO_AC, "--dynamo_backend", "inductor", "--dynamo_use_regional_compilation"],
-        {},
-    ),
+    "chunked loss, regional compile": ([*NO_AC, *COMPILE], {}),
+    "chunked loss, varlen attention, regional compile": ([*NO_AC, *COMPILE], VARLEN),
 }
 
 
@@ -45,6 +48,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model on 2 CPU processes (the tests' run)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--only", action="append", help="run the variants whose name contains this (repeatable)")
     parser.add_argument("--work", default=str(REPO / "outputs" / "bench-gpu"))
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = parser.parse_args()
@@ -58,21 +62,26 @@ def main() -> None:
     data = build_data(work, seq)
     gpus = 2 if args.quick else torch.cuda.device_count()
     device = "CPU (quick)" if args.quick else f"{gpus} x {torch.cuda.get_device_name(0)}"
-    variants = {k: v for k, v in VARIANTS.items() if not (args.quick and "compile" in k)}
+    variants = {
+        name: lever
+        for name, lever in VARIANTS.items()
+        if not (args.quick and "compile" in name) and (not args.only or any(part in name for part in args.only))
+    }
     rows = []
     for name, (launch_args, recipe) in variants.items():
         print(f"bench-gpu: {name} ...", flush=True)
         rows.append(measure(name, launch_args, recipe, model, data, work, seq, gpus, args))
+        print(json.dumps(rows[-1]), flush=True)
     results = {
         "date": __import__("datetime").date.today().isoformat(),
-        "commit": _git("rev-parse", "--short", "HEAD"),
+        "commit": os.environ.get("BENCH_COMMIT") or _git("rev-parse", "--short", "HEAD"),
         "device": device,
         "torch": torch.__version__,
         "shape": str(SHAPE.relative_to(REPO)) if not args.quick else "tiny",
         "compute": "float32 (CPU)" if args.quick else "bf16",
         "sequence_length": seq,
         "micro_batch": args.micro_batch,
-        "mfu_formula": "6 N + 6 L s d_attn per token (finetune/flops.py); peak: dense bf16 of the device",
+        "mfu_formula": "6 N per token + 6 L d_attn n^2 per sample of n tokens (finetune/flops.py); peak: dense bf16",
         "rows": rows,
     }
     out = Path(args.out)
@@ -111,12 +120,14 @@ def build_model(work: Path, quick: bool) -> Path:
 
 
 def build_data(work: Path, seq: int) -> Path:
-    """Synthetic text long enough that packing fills every row of `seq` tokens."""
+    """Synthetic texts of varied length (from a few dozen words to a row's worth), packed several to a
+    row as fine-tuning data is: what makes the attention path matter."""
     path = work / f"text-{seq}.jsonl"
     if not path.exists():
         rng = random.Random(0)
         words = ["".join(rng.choice("abcdefghij0123456789") for _ in range(rng.randint(2, 6))) for _ in range(500)]
-        lines = [json.dumps({"text": " ".join(rng.choice(words) for _ in range(seq))}) for _ in range(256)]
+        lengths = [int(seq * rng.uniform(0.02, 0.4)) for _ in range(2048)]
+        lines = [json.dumps({"text": " ".join(rng.choice(words) for _ in range(n))}) for n in lengths]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(lines) + "\n")
     return path
@@ -152,6 +163,7 @@ def measure(
     ]  # fmt: skip
     result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
+        print("\n".join(result.stderr.strip().splitlines()[-40:]), file=sys.stderr, flush=True)
         return {"variant": name, "error": (result.stderr.strip().splitlines() or ["failed"])[-1][:300]}
     entries = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [e for e in entries if "loss" in e]

@@ -44,7 +44,9 @@ class ModelConfig:
     `mixed_precision: bf16` in the accelerate config for bf16 compute; bfloat16 here trains in pure bf16."""
 
     attn_implementation: str = "sdpa"
-    """Attention kernel passed to transformers: sdpa, eager or flash_attention_2."""
+    """Attention kernel passed to transformers: sdpa, eager, flash_attention_2, or `varlen`: packed rows
+    attend by their sample boundaries, through torch's FlashAttention varlen kernel on GPUs (bf16/fp16) and
+    per-sample SDPA elsewhere, instead of through a dense block mask (finetune/attention.py)."""
 
     trust_remote_code: bool = False
     """Run modelling code shipped with the checkpoint. Off unless you trust its source."""

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
+from finetune import attention
 from finetune.checkpoint import (
     PendingCheckpoint,
     TrainerState,
@@ -57,7 +58,7 @@ from finetune.distributed import (
 )
 from finetune.errors import FinetuneError
 from finetune.evaluate import evaluate
-from finetune.flops import flops_per_token, peak_flops
+from finetune.flops import ModelFlops, model_flops, peak_flops
 from finetune.loss import LossPath, batch_loss, choose_loss_path
 from finetune.memory import MemoryProbe, format_reports, gather_reports, memory_metrics
 from finetune.metrics import MetricsLogger
@@ -89,6 +90,8 @@ class StepResult:
     grad_norm: float
     num_tokens: int
     num_target_tokens: int
+    model_flops: float
+    """Of every process's micro-batches (finetune.flops), for MFU."""
 
 
 @dataclass
@@ -278,8 +281,8 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
     rows_per_micro_batch = recipe.train.micro_batch_size * accelerator.num_processes
     # A fingerprint of the token ids this rank trained on, accumulated on the device without syncing.
     data_fingerprint = torch.zeros((), dtype=torch.int64, device=accelerator.device)
-    last_log_time, tokens_since_log, steps_since_log = time.perf_counter(), 0, 0
-    model_flops = flops_per_token(accelerator.unwrap_model(run.model), recipe.data.max_length)
+    last_log_time, tokens_since_log, steps_since_log, flops_since_log = time.perf_counter(), 0, 0, 0.0
+    flops = model_flops(accelerator.unwrap_model(run.model))
     peak = peak_flops(accelerator.device)
     windows = _accumulation_windows(run.train_loader, accumulation, start, rows_per_micro_batch, accelerator)
     probe: MemoryProbe | None = MemoryProbe(run.model, accelerator)  # measures this run's first step
@@ -293,7 +296,7 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
             lr = run.scheduler.get_last_lr()[0]  # the rate this step's update uses
             result = train_step(
                 run.model, run.optimizer, micro_batches, accelerator, recipe.optim.max_grad_norm, step, probe,
-                loss_path=run.loss_path,
+                loss_path=run.loss_path, flops=flops,
             )  # fmt: skip
             run.scheduler.step()
             if probe is not None:
@@ -302,6 +305,7 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
                 metrics.log(step, memory_metrics(reports))
                 probe = None
             tokens_since_log += result.num_tokens
+            flops_since_log += result.model_flops
             steps_since_log += 1
             metrics.advance()
             last_step = step == run.max_steps
@@ -316,9 +320,9 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
                     "target_tokens": result.num_target_tokens,
                 }
                 if peak is not None:
-                    values["mfu"] = tokens_since_log / elapsed * model_flops / (peak * accelerator.num_processes)
+                    values["mfu"] = flops_since_log / elapsed / (peak * accelerator.num_processes)
                 metrics.log(step, values)
-                last_log_time, tokens_since_log, steps_since_log = time.perf_counter(), 0, 0
+                last_log_time, tokens_since_log, steps_since_log, flops_since_log = time.perf_counter(), 0, 0, 0.0
             eval_due = recipe.train.eval_every_steps and step % recipe.train.eval_every_steps == 0
             if run.eval_loader is not None and (eval_due or last_step):
                 metrics.log(step, {"eval_loss": evaluate(run.model, run.eval_loader, accelerator, run.loss_path)})
@@ -378,13 +382,18 @@ def train_step(
     probe: MemoryProbe | None = None,
     *,
     loss_path: LossPath,
+    flops: ModelFlops | None = None,
 ) -> StepResult:
     """One optimizer step over this process's micro-batches; returns the global loss per target token."""
-    counts = torch.stack(
-        [sum((b["target_ids"] != IGNORE).sum() for b in micro_batches), sum(b["num_tokens"] for b in micro_batches)]
-    )
+    counts = [
+        sum((b["target_ids"] != IGNORE).sum() for b in micro_batches),
+        sum(b["num_tokens"] for b in micro_batches),
+        sum(flops.batch(b, b["num_tokens"]) for b in micro_batches) if flops is not None else torch.zeros(()),
+    ]
     # One all-reduce, one device sync: every process needs the global target count before its first backward.
-    num_targets, num_tokens = accelerator.reduce(counts, "sum").tolist()
+    # float64 holds the counts exactly (below 2**53) and the FLOPs.
+    counts = torch.stack([c.to(accelerator.device, torch.float64) for c in counts])
+    num_targets, num_tokens, model_flops = accelerator.reduce(counts, "sum").tolist()
     # DDP and FSDP average gradients over processes; multiplying by the process count turns that
     # average into a sum, so the update is the gradient of (all token losses) / (all target tokens).
     scale = accelerator.num_processes / max(num_targets, 1)
@@ -410,7 +419,7 @@ def train_step(
     if probe is not None:
         probe.measure_update(optimizer)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, grad_norm, int(num_tokens), int(num_targets))
+    return StepResult(loss, grad_norm, int(num_tokens), int(num_targets), model_flops)
 
 
 def _accumulation_windows(
@@ -481,6 +490,17 @@ _RECOMPUTED = {
 }
 
 
+def _attention_line(accelerator: Accelerator, recipe: RecipeConfig, model: torch.nn.Module) -> str:
+    implementation = accelerator.unwrap_model(model).config._attn_implementation
+    if implementation != attention.NAME:
+        packed = " (packed rows: block-causal mask; model.attn_implementation=varlen passes boundaries)"
+        return f"attention: {implementation}" + (packed if recipe.data.packing and implementation == "sdpa" else "")
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(accelerator.mixed_precision))
+    compute = half or DTYPES[recipe.model.dtype]
+    kernel = attention.kernel(accelerator.device, compute)
+    return f"attention: varlen, packed rows by their sample boundaries ({kernel})"
+
+
 def _log_setup(
     accelerator: Accelerator,
     recipe: RecipeConfig,
@@ -503,6 +523,7 @@ def _log_setup(
     lines = [
         f"strategy: {strategy_name(accelerator)} on {accelerator.device.type}",
         precision,
+        _attention_line(accelerator, recipe, model),
         loss_line,
         f"batch: {recipe.train.micro_batch_size} x {recipe.train.gradient_accumulation_steps} accumulation x "
         f"{processes} processes = {global_batch} sequences per step, {max_steps} steps",

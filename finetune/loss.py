@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from finetune import attention
 from finetune.data import IGNORE
 
 LossPath = Literal["chunked", "full_logits"]
@@ -39,8 +40,12 @@ MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
 CHUNKED_MODEL_TYPES = frozenset(
     {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "gpt2", "gemma", "olmo2"}
 )
-_CHUNK_BYTES = 64 * 2**20
-"""Bytes of fp32 logits per chunk: large enough for matmuls that keep a GPU busy, small next to a step's memory."""
+_CHUNK_BYTES = {"cpu": 64 * 2**20, "cuda": 2**30}
+"""Bytes of fp32 logits per chunk, by device type. Each chunk adds its share into the head's weight gradient,
+reading and writing all of it: with chunks of a few hundred rows that traffic, not the matmuls, set the
+GPU's pace (measured on an H100: 0.78x the full logits' tokens/s at 64 MiB chunks). A GiB of logits is a
+few percent of a GPU's memory and keeps the head's matmuls compute-bound; on CPU the step is compute-bound
+at any size, and small chunks keep the host's memory low."""
 
 
 @dataclass(frozen=True)
@@ -73,24 +78,34 @@ def batch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], path: Los
     return BatchLoss(total, per_row)
 
 
-def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     """What the model is given of a batch. Packed rows (samples told apart by `position_ids` restarting,
-    no attention mask) become one row for flash-attention kernels: transformers derives their sample
-    boundaries from `position_ids` only when the batch has one row, and with more it would let every
-    row attend across its samples without a word. The rows' boundaries are restarts too, so one row
-    of all of them attends exactly as the rows did; the loss reads the outputs in the same order."""
-    inputs = {key: value for key, value in batch.items() if key in MODEL_INPUTS}
-    packed = "position_ids" in inputs and "attention_mask" not in inputs and inputs["input_ids"].shape[0] > 1
-    if packed and _flash_attention(model):
+    no attention mask) become one row for the kernels that take sample boundaries: the varlen path gets
+    them as `cu_seq_lens` (finetune.attention), and transformers' flash-attention derives them from
+    `position_ids` only when the batch has one row; with more it would let every row attend across its
+    samples without a word. The rows' boundaries are restarts too, so one row of all of them attends
+    exactly as the rows did; the loss reads the outputs in the same order."""
+    inputs: dict[str, Any] = {key: value for key, value in batch.items() if key in MODEL_INPUTS}
+    packed = "position_ids" in inputs and "attention_mask" not in inputs
+    implementation = _attention_implementation(model)
+    if packed and implementation == attention.NAME:
+        boundaries = attention.boundaries(inputs["position_ids"])
+        inputs = {key: value.reshape(1, -1) for key, value in inputs.items()} | boundaries
+    elif packed and inputs["input_ids"].shape[0] > 1 and _flash_attention(implementation):
         inputs = {key: value.reshape(1, -1) for key, value in inputs.items()}
     return inputs
 
 
-def _flash_attention(model: torch.nn.Module) -> bool:
+def _attention_implementation(model: torch.nn.Module) -> str | None:
+    config = getattr(getattr(model, "module", model), "config", None)
+    return getattr(config, "_attn_implementation", None)
+
+
+def _flash_attention(implementation: str | None) -> bool:
     from transformers.utils.generic import is_flash_attention_requested
 
-    config = getattr(getattr(model, "module", model), "config", None)
-    return config is not None and is_flash_attention_requested(config)
+    requested = implementation is not None
+    return requested and is_flash_attention_requested(requested_attention_implementation=implementation)
 
 
 def choose_loss_path(requested: LossPath, model: torch.nn.Module) -> tuple[LossPath, str]:
@@ -100,9 +115,11 @@ def choose_loss_path(requested: LossPath, model: torch.nn.Module) -> tuple[LossP
     reason = chunked_loss_unsupported(model)
     if reason is not None:
         return "full_logits", f"loss: full logits in fp32, as chunked cannot run here: {reason}"
-    vocab = output_head(model).out_features  # the weight itself may be a flat shard here (FSDP1)
+    head = output_head(model)
+    vocab = head.out_features  # the weight itself may be a flat shard here (FSDP1)
+    rows = chunk_rows(vocab, head.weight.device)
     return "chunked", (
-        f"loss: chunked (logits at target positions only, {chunk_rows(vocab)} rows of {vocab:,} at a time; "
+        f"loss: chunked (logits at target positions only, {rows} rows of {vocab:,} at a time; "
         "train.loss=full_logits for the reference)"
     )
 
@@ -150,8 +167,8 @@ def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor) -> Iterato
         del head.forward  # the class's forward again
 
 
-def chunk_rows(vocab_size: int) -> int:
-    return max(1, _CHUNK_BYTES // (4 * vocab_size))
+def chunk_rows(vocab_size: int, device: torch.device) -> int:
+    return max(1, _CHUNK_BYTES.get(device.type, _CHUNK_BYTES["cuda"]) // (4 * vocab_size))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -168,7 +185,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         targets: torch.Tensor,
         with_grads: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = chunk_rows(weight.shape[0])  # inside the forward: the whole weight
+        rows = chunk_rows(weight.shape[0], weight.device)  # inside the forward: the whole weight
         losses = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if with_grads and ctx.needs_input_grad[0] else None
         # In the weight's dtype, as Liger's kernel keeps it: one buffer the size of the head's gradient, which

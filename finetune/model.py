@@ -20,6 +20,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from finetune import attention as varlen
 from finetune.config import ModelConfig
 from finetune.errors import FinetuneError, first_line
 from finetune.recompute import Policy, checkpoint_kwargs
@@ -147,6 +148,8 @@ def load_model(
     Buffers are built for real, since rotary tables and the like are not in the weights to receive.
     """
     dtype, attention = DTYPES[cfg.dtype], cfg.attn_implementation
+    if attention == varlen.NAME:
+        varlen.register()
     try:
         if read_weights:
             model = AutoModelForCausalLM.from_pretrained(
@@ -165,6 +168,8 @@ def load_model(
             f"cannot load a causal LM from {cfg.name_or_path!r} ({first_line(exc)}); set model.name_or_path "
             "to a hub id or a local folder with config.json and safetensors weights"
         ) from None
+    if attention == varlen.NAME and (reason := varlen.unsupported(model.config)) is not None:
+        raise FinetuneError(f"model.attn_implementation=varlen cannot run {cfg.name_or_path!r}: {reason}; use sdpa")
     if activation_checkpointing != "none":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(activation_checkpointing))
     # from_pretrained returns the model in eval mode, where dropout and activation checkpointing are off.

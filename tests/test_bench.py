@@ -68,8 +68,8 @@ def test_make_bench_runs_every_comparison(tmp_path):
 def test_bench_gpu_runs_on_cpu_in_quick_mode(tmp_path):
     results = run_script("gpu.py", tmp_path)
     assert [row["variant"] for row in results["rows"]] == [
-        "full logits, no checkpointing", "chunked loss, no checkpointing", "chunked loss, selective checkpointing",
-        "chunked loss, full checkpointing",
+        "full logits, no checkpointing", "chunked loss, no checkpointing", "chunked loss, varlen attention",
+        "chunked loss, selective checkpointing", "chunked loss, full checkpointing",
     ]  # fmt: skip
     assert all(positive(row["tokens_per_second_per_gpu"]) and row["mfu"] is None for row in results["rows"])
 

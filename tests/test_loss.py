@@ -40,7 +40,7 @@ def packed_batch() -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_chunked_loss_equals_the_full_logits_reference(architecture, monkeypatch):
-    monkeypatch.setattr(loss_module, "_CHUNK_BYTES", 4 * 96 * 5)  # 5 rows a chunk: several chunks, one partial
+    monkeypatch.setitem(loss_module._CHUNK_BYTES, "cpu", 4 * 96 * 5)  # 5 rows a chunk: several chunks, one partial
     torch.manual_seed(0)
     reference = transformers.AutoModelForCausalLM.from_config(ARCHITECTURES[architecture])
     chunked = copy.deepcopy(reference)
@@ -98,17 +98,24 @@ def test_models_whose_logits_are_more_than_a_projection_keep_the_reference():
 def test_under_fsdp2_the_chunked_loss_trains_as_the_reference(fsdp2_run, demo_assets, tmp_path):
     """Two processes over gloo, FSDP2 full shard (the head's parameters gathered by the root's hooks, as
     the loss runs inside the model's forward): the default chunked loss and train.loss=full_logits give
-    the same training and evaluation losses, and the log says which ran."""
+    the same training and evaluation losses, and the log says which ran. The reference run also takes
+    the varlen attention path (one launch for two levers: it differs from the default run in both, so an
+    error in either shows)."""
     from conftest import Run, launch, recipe_overrides
 
     output_dir = tmp_path / "out"
     result = launch(
-        "fsdp2_full_shard.yaml", recipe_overrides(demo_assets, output_dir, **{"train.loss": "full_logits"})
+        "fsdp2_full_shard.yaml",
+        recipe_overrides(
+            demo_assets, output_dir, **{"train.loss": "full_logits", "model.attn_implementation": "varlen"}
+        ),
     )
     assert result.returncode == 0, result.stderr[-4000:]
     reference = Run(result, output_dir)
     assert "loss: chunked (logits at target positions only" in fsdp2_run.log
     assert "loss: full logits in fp32 (train.loss=full_logits)" in reference.log
+    assert "attention: sdpa (packed rows: block-causal mask" in fsdp2_run.log
+    assert "attention: varlen, packed rows by their sample boundaries (SDPA once per sample)" in reference.log
     assert len(fsdp2_run.losses()) == len(reference.losses()) == 16
     torch.testing.assert_close(fsdp2_run.losses(), reference.losses(), rtol=1e-5, atol=1e-6)
     evaluations = [[m["eval_loss"] for m in run.metrics() if "eval_loss" in m] for run in (fsdp2_run, reference)]
@@ -124,12 +131,11 @@ def test_packed_rows_become_one_row_for_flash_attention(monkeypatch):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(ARCHITECTURES["llama"])
     batch = packed_batch()
-    assert not _flash_attention(model) and model_inputs(model, batch)["input_ids"].shape == (2, 24)
-    flash = copy.deepcopy(model.config)
-    flash._attn_implementation = "flash_attention_2"
-    assert _flash_attention(type("Flash", (), {"config": flash})())
+    assert not _flash_attention(model.config._attn_implementation)
+    assert model_inputs(model, batch)["input_ids"].shape == (2, 24)
+    assert _flash_attention("flash_attention_2") and _flash_attention("flash_attention_3")
     expected = {path: batch_loss(model, batch, path).per_row for path in ("full_logits", "chunked")}
-    monkeypatch.setattr(loss_module, "_flash_attention", lambda model: True)
+    monkeypatch.setattr(loss_module, "_flash_attention", lambda implementation: True)
     flat = model_inputs(model, batch)
     assert flat["input_ids"].shape == (1, 48)
     assert torch.equal(flat["position_ids"], batch["position_ids"].reshape(1, -1))

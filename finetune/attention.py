@@ -1,0 +1,145 @@
+"""Attention over packed rows by their sample boundaries: `model.attn_implementation: varlen`.
+
+A packed row holds several samples, told apart by `position_ids` restarting at 0. Under `sdpa`,
+transformers turns those restarts into a dense block-causal mask (rows x 1 x S x S booleans): SDPA
+cannot take its flash kernel with a mask, and it computes every tile, masked or not. The varlen path
+hands the kernel the boundaries instead: the batch's rows become one sequence (`model_inputs`), its
+cumulative sample lengths (`cu_seq_lens`) travel to every attention layer as keyword arguments, and
+each sample attends causally to itself alone.
+
+The kernel is torch's own FlashAttention entry point, `torch.nn.attention.varlen.varlen_attn`, on a
+GPU in fp16/bf16 (torch >= 2.10); elsewhere (CPU, fp32, an older torch) the same function runs SDPA
+once per sample: the same math, a loop instead of one launch, and what the tests compare with the
+block-mask reference. Batches without `position_ids` (padded rows: one sample per row, padding on
+the right) need no boundaries: causal attention never lets a token see the padding after it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+NAME = "varlen"
+BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def register() -> None:
+    """Make `attn_implementation="varlen"` known to transformers (idempotent). Registering no mask function
+    is deliberate: transformers then builds no mask at all for this implementation."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, varlen_attention)
+
+
+def unsupported(config: Any) -> str | None:
+    """Why a model with this config cannot run the varlen path, or None. Its kernels know causal attention
+    over whole samples, without dropout, sliding windows or logit soft-capping."""
+    config = config.get_text_config()
+    if getattr(config, "attention_dropout", 0.0):
+        return f"its attention applies dropout (attention_dropout={config.attention_dropout})"
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True):
+        return f"it attends within a sliding window of {window} tokens"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "it soft-caps its attention logits"
+    if not getattr(config, "is_causal", True):
+        return "its attention is not causal"
+    return None
+
+
+def kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """Which kernel the varlen path runs for tensors of this device and dtype (the log says it)."""
+    if _varlen_attn() is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        return "torch varlen_attn (FlashAttention)"
+    return "SDPA once per sample"
+
+
+def boundaries(position_ids: torch.Tensor) -> dict[str, Any]:
+    """The keyword arguments that carry the sample boundaries of packed rows of `position_ids` (rows x
+    length) once flattened into one: a sample starts wherever the positions restart at 0. The longest
+    sample is given as the row length, which bounds it: the kernel only sizes its grid by it, and a
+    number that never changes keeps compiled layers from recompiling for each batch."""
+    cu = boundaries_from_positions(position_ids).to(torch.int32)
+    longest = position_ids.shape[-1]
+    return dict(zip(BOUNDARY_KWARGS, (cu, cu, longest, longest), strict=True))
+
+
+def boundaries_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """Cumulative sample lengths (starting with 0) of `position_ids` read as one sequence."""
+    positions = position_ids.reshape(-1)
+    starts = torch.nonzero(positions == 0).reshape(-1)
+    return torch.cat([starts, torch.tensor([positions.numel()], device=positions.device)])
+
+
+def varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: query (batch, heads, seq, dim), key/value (batch,
+    kv_heads, seq, dim); returns (batch, seq, heads, dim) and no attention weights."""
+    if dropout:
+        raise ValueError("varlen attention has no dropout; set attention_dropout to 0 or use sdpa")
+    gqa = query.shape[1] != key.shape[1]
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:  # one sample per row
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
+    if query.shape[0] != 1:
+        raise ValueError("varlen attention takes packed rows flattened into one (finetune.loss.model_inputs does)")
+    # (1, heads, tokens, dim) -> (tokens, heads, dim), the layout of varlen kernels.
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    if kernel(q.device, q.dtype) == "SDPA once per sample":
+        out = _per_sample(q, k, v, cu.tolist(), scaling, gqa)
+    else:
+        out = _flash(q, k, v, cu, kwargs["max_length_q"], scaling)
+    return out.unsqueeze(0), None
+
+
+def _per_sample(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scaling: float | None, gqa: bool
+) -> torch.Tensor:
+    outs = [
+        F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1),
+            k[start:end].transpose(0, 1),
+            v[start:end].transpose(0, 1),
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=gqa,
+        ).transpose(0, 1)
+        for start, end in zip(cu[:-1], cu[1:], strict=True)
+    ]
+    return torch.cat(outs)
+
+
+def _flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scaling: float | None
+) -> torch.Tensor:
+    varlen_attn = _varlen_attn()
+    extra: dict[str, Any] = {}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+            extra["enable_gqa"] = True
+        else:  # torch 2.10/2.11: the kernel wants as many key/value heads as query heads
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    # window (-1, 0): no limit to the left, none to the right, i.e. causal.
+    return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), **extra)
+
+
+@functools.cache
+def _varlen_attn() -> Any:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
