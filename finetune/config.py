@@ -176,11 +176,12 @@ class TrainConfig:
     log_every_steps: int = 1
     """Write metrics every this many optimizer steps."""
 
-    activation_checkpointing: Literal[False, True, "none", "full", "selective"] = False
+    activation_checkpointing: Literal[False, True, "none", "full", "selective", "auto"] = False
     """What decoder layers keep for backward (`finetune.recompute`): `none` (false) everything; `full`
     (true) only their input, recomputing the rest; `selective` matmul and attention outputs,
-    recomputing the cheap rest. Or set `fsdp_activation_checkpointing` (full) in the accelerate config
-    instead (not both)."""
+    recomputing the cheap rest; `auto`: the first of none, selective, full that `finetune plan`
+    estimates to fit the GPU's memory (none on CPU, said in the log). Or set
+    `fsdp_activation_checkpointing` (full) in the accelerate config instead (not both)."""
 
     loss: Literal["chunked", "full_logits"] = "chunked"
     """`chunked`: logits only at positions with a target, projected and scored a chunk of rows at a
@@ -188,8 +189,8 @@ class TrainConfig:
     said in the log); `full_logits`: the reference, every position's logits in fp32."""
 
     @property
-    def checkpointing(self) -> Literal["none", "full", "selective"]:
-        """`activation_checkpointing` as a policy: true is full, false is none."""
+    def checkpointing(self) -> Literal["none", "full", "selective", "auto"]:
+        """`activation_checkpointing` as a policy (or `auto`, which training resolves): true is full, false none."""
         value = self.activation_checkpointing
         return "full" if value is True else "none" if value is False else value
 

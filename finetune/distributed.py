@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import accelerate
@@ -32,7 +33,7 @@ from accelerate.utils import (
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy
 
 from finetune.errors import FinetuneError
-from finetune.launch import check_hybrid_shard_group, hybrid_replicas
+from finetune.launch import Launch, check_hybrid_shard_group, hybrid_replicas
 from finetune.memory import dtype_name
 from finetune.wrap import fsdp_units, local_tensor
 
@@ -394,6 +395,41 @@ def strategy_name(accelerator: Accelerator) -> str:
         detail = f"sharding_strategy={plugin.sharding_strategy.name}"
     offload = ", CPU offload" if _offloads(plugin) else ""
     return f"FSDP{plugin.fsdp_version} ({detail}{offload}) over {accelerator.num_processes} processes"
+
+
+def running_launch(accelerator: Accelerator) -> Launch:
+    """The launch this process runs in, as `finetune plan` describes one (read from accelerate's state
+    rather than a config file, which a running process does not know)."""
+    plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type == DistributedType.FSDP else None
+    mesh = accelerator.parallelism_config
+    hybrid = plugin is not None and plugin.fsdp_version == 2 and mesh is not None and mesh.dp_replicate_enabled
+    if plugin is None:
+        strategy = "ddp"
+    elif hybrid:
+        strategy = "hybrid_shard"
+    elif plugin.fsdp_version == 2:
+        strategy = "full_shard" if plugin.reshard_after_forward else "shard_grad_op"
+    else:
+        strategy = plugin.sharding_strategy.name.lower()
+    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))  # torchrun sets it
+    machines = max(1, accelerator.num_processes // max(1, per_machine))
+    wrap_classes = getattr(plugin, "transformer_cls_names_to_wrap", None) or ()
+    return Launch(
+        config_path=Path("<running>"),
+        strategy=strategy,
+        fsdp_version=plugin.fsdp_version if plugin is not None else 0,
+        num_processes=accelerator.num_processes,
+        num_machines=machines,
+        machine_rank=0,
+        main_process_ip=None,
+        mixed_precision=str(accelerator.mixed_precision),
+        offload=plugin is not None and _offloads(plugin),
+        activation_checkpointing=bool(plugin is not None and plugin.activation_checkpointing),
+        cpu_ram_efficient_loading=bool(plugin is not None and plugin.cpu_ram_efficient_loading),
+        hybrid_shard_size=mesh.dp_shard_size if hybrid else None,
+        wrap_policy="TRANSFORMER_BASED_WRAP" if wrap_classes else "NO_WRAP",
+        wrap_classes=tuple(wrap_classes),
+    )
 
 
 def _offloads(plugin: FullyShardedDataParallelPlugin) -> bool:

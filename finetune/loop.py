@@ -53,6 +53,7 @@ from finetune.distributed import (
     local_params_fingerprint,
     precision_policy,
     rank_zero_loading,
+    running_launch,
     shard_report,
     strategy_name,
 )
@@ -75,6 +76,8 @@ from finetune.model import (
 )
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.outputs import check_output_dir, claim_output_dir
+from finetune.plan import cheapest_policy, model_shape, planned_model
+from finetune.recompute import Policy
 from finetune.wrap import format_wrap_plan, fsdp_units, reshard, validate_wrap_policy
 
 logger = logging.getLogger("finetune")
@@ -160,6 +163,7 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
         param_dtype=DTYPES[recipe.model.dtype],
     )
     set_seed(recipe.train.seed)
+    policy, policy_line = checkpointing_policy(recipe, accelerator)
 
     tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
     # Under rank-0 loading (cpu_ram_efficient_loading) only rank 0 reads the weights; the others
@@ -172,7 +176,7 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
         quantization = quantization_config(DTYPES[recipe.model.dtype])
     model = load_model(
         recipe.model,
-        recipe.train.checkpointing,
+        policy,
         read_weights=not started_on_meta,
         quantization=quantization,
     )
@@ -236,7 +240,7 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
         save_recipe(recipe, output_dir / "recipe.yaml")
     _check_shared_output_dir(output_dir, accelerator)
 
-    _log_setup(accelerator, recipe, data, model, max_steps, resume_from, loss_line)
+    _log_setup(accelerator, recipe, data, model, max_steps, resume_from, [policy_line, loss_line])
     metrics = MetricsLogger(accelerator, output_dir, max_steps, recipe.to_dict(), recipe.output.trackers)
     try:
         seen, preempted = run_steps(run, metrics, start)
@@ -485,9 +489,31 @@ def _check_shared_output_dir(output_dir: Path, accelerator: Accelerator) -> None
 
 
 _RECOMPUTED = {
+    "none": "every activation kept, nothing recomputed",
     "full": "each decoder layer keeps its input and recomputes its forward in backward",
     "selective": "decoder layers keep matmul and attention outputs and recompute the rest",
 }
+
+
+def checkpointing_policy(recipe: RecipeConfig, accelerator: Accelerator) -> tuple[Policy, str | None]:
+    """The recipe's activation-checkpointing policy, `auto` resolved by the plan's estimate against this
+    device's memory (`finetune.plan.cheapest_policy`), and its log line (None for none, asked for)."""
+    requested = recipe.train.checkpointing
+    if requested != "auto":
+        return (
+            requested,
+            f"activation checkpointing: {requested} ({_RECOMPUTED[requested]})" if requested != "none" else None,
+        )
+    cuda = accelerator.device.type == "cuda"
+    memory = torch.cuda.get_device_properties(accelerator.device).total_memory if cuda else None
+    shape = model_shape(planned_model(recipe))
+    policy = cheapest_policy(shape, recipe, running_launch(accelerator), memory)
+    reason = (
+        f"the first that the plan fits in {memory / 2**30:.1f} GiB"
+        if memory
+        else f"{accelerator.device.type}: no device memory to fit"
+    )
+    return policy, f"activation checkpointing: auto, so {policy} ({reason}; {_RECOMPUTED[policy]})"
 
 
 def _attention_line(accelerator: Accelerator, recipe: RecipeConfig, model: torch.nn.Module) -> str:
@@ -508,8 +534,9 @@ def _log_setup(
     model: torch.nn.Module,
     max_steps: int,
     resume_from: Path | None,
-    loss_line: str,
+    choices: list[str | None],
 ) -> None:
+    """The run's setup in the log; `choices`: lines of what the run chose (checkpointing, loss path), if any."""
     if not accelerator.is_main_process:
         return
     processes = accelerator.num_processes
@@ -524,7 +551,7 @@ def _log_setup(
         f"strategy: {strategy_name(accelerator)} on {accelerator.device.type}",
         precision,
         _attention_line(accelerator, recipe, model),
-        loss_line,
+        *(line for line in choices if line is not None),
         f"batch: {recipe.train.micro_batch_size} x {recipe.train.gradient_accumulation_steps} accumulation x "
         f"{processes} processes = {global_batch} sequences per step, {max_steps} steps",
         data.train_stats.describe("train data"),
@@ -535,10 +562,6 @@ def _log_setup(
         lines.append(
             f"compile: {accelerator.state.dynamo_plugin.backend.value.lower()}, "
             + (f"regional ({compiled} modules compiled in place)" if regional else "the whole model")
-        )
-    if recipe.train.checkpointing != "none":
-        lines.insert(
-            3, f"activation checkpointing: {recipe.train.checkpointing} ({_RECOMPUTED[recipe.train.checkpointing]})"
         )
     if recipe.peft is not None:
         from finetune.adapters import describe_adapters

@@ -256,7 +256,9 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
             f"{e.device_total('full') / gib:>9.2f}"
         )
     chosen = estimates[launch.strategy]
-    policy = "full" if launch.activation_checkpointing else recipe.train.checkpointing
+    policy = run_policy(shape, recipe, launch, gpu_memory)
+    if recipe.train.checkpointing == "auto" and not launch.activation_checkpointing:
+        policy = f"auto, so {policy}"
     lines.append(
         f"activation checkpointing (this run: {policy}), activations per device: none "
         f"{chosen.activations / gib:.2f}, selective {chosen.activations_selective / gib:.2f}, full "
@@ -278,7 +280,7 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
 
 def verdict(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     """fits / fits with checkpointing or offload / does not fit, for the configured strategy."""
-    checkpointing = "full" if launch.activation_checkpointing else recipe.train.checkpointing
+    checkpointing = run_policy(shape, recipe, launch, gpu_memory)
     chosen = estimate(shape, recipe, launch, launch.strategy)
     if chosen.device_at_load > gpu_memory:
         return (
@@ -305,6 +307,27 @@ def verdict(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory:
         f"does not fit ({need / 2**30:.1f} GiB needed of {gpu_memory / 2**30:.1f}); "
         f"shard over more devices (about {more}), lower micro_batch_size or max_length"
     )
+
+
+def run_policy(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory: int | None) -> Policy:
+    """The activation-checkpointing policy the run uses: the accelerate config's (full) or the recipe's,
+    `auto` resolved by `cheapest_policy`."""
+    if launch.activation_checkpointing:
+        return "full"
+    if recipe.train.checkpointing != "auto":
+        return recipe.train.checkpointing
+    return cheapest_policy(shape, recipe, launch, gpu_memory)
+
+
+def cheapest_policy(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory: int | None) -> Policy:
+    """`train.activation_checkpointing: auto`: the first of none, selective, full (least recomputation first)
+    whose estimated peak fits `gpu_memory`; full when none does (the verdict then says what else to change);
+    none when there is no device memory to fit (CPU)."""
+    if gpu_memory is None:
+        return "none"
+    chosen = estimate(shape, recipe, launch, launch.strategy)
+    policies: tuple[Policy, ...] = ("none", "selective", "full")
+    return next((policy for policy in policies if chosen.device_peak(policy) <= gpu_memory), "full")
 
 
 def check(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:

@@ -100,14 +100,20 @@ def test_under_fsdp2_the_chunked_loss_trains_as_the_reference(fsdp2_run, demo_as
     the loss runs inside the model's forward): the default chunked loss and train.loss=full_logits give
     the same training and evaluation losses, and the log says which ran. The reference run also takes
     the varlen attention path (one launch for two levers: it differs from the default run in both, so an
-    error in either shows)."""
+    error in either shows), and asks for `auto` activation checkpointing, which is none on CPU."""
     from conftest import Run, launch, recipe_overrides
 
     output_dir = tmp_path / "out"
     result = launch(
         "fsdp2_full_shard.yaml",
         recipe_overrides(
-            demo_assets, output_dir, **{"train.loss": "full_logits", "model.attn_implementation": "varlen"}
+            demo_assets,
+            output_dir,
+            **{
+                "train.loss": "full_logits",
+                "model.attn_implementation": "varlen",
+                "train.activation_checkpointing": "auto",
+            },
         ),
     )
     assert result.returncode == 0, result.stderr[-4000:]
@@ -116,6 +122,7 @@ def test_under_fsdp2_the_chunked_loss_trains_as_the_reference(fsdp2_run, demo_as
     assert "loss: full logits in fp32 (train.loss=full_logits)" in reference.log
     assert "attention: sdpa (packed rows: block-causal mask" in fsdp2_run.log
     assert "attention: varlen, packed rows by their sample boundaries (SDPA once per sample)" in reference.log
+    assert "activation checkpointing: auto, so none (cpu: no device memory to fit;" in reference.log
     assert len(fsdp2_run.losses()) == len(reference.losses()) == 16
     torch.testing.assert_close(fsdp2_run.losses(), reference.losses(), rtol=1e-5, atol=1e-6)
     evaluations = [[m["eval_loss"] for m in run.metrics() if "eval_loss" in m] for run in (fsdp2_run, reference)]

@@ -96,3 +96,22 @@ def test_plan_inputs_that_cannot_be_planned(tmp_path):
     missing = tmp_path / "no_model"
     with pytest.raises(FinetuneError, match=f"model.name_or_path {missing} is not a folder"):
         load_model_config(ModelConfig(name_or_path=str(missing)))
+
+
+def test_auto_checkpointing_takes_the_least_recomputation_that_fits():
+    """`train.activation_checkpointing: auto`: none where everything fits, then selective, then full, by the
+    same estimate as the plan's verdict; none on CPU (no device memory to fit)."""
+    from finetune.plan import cheapest_policy, plan, planned_model
+
+    recipe = load_recipe(REPO / "recipes" / "llama" / "llama-3.1-8b.yaml", ["train.activation_checkpointing=auto"])
+    launch = read_launch(CONFIGS / "fsdp2_full_shard.yaml", 8, 1)
+    shape = model_shape(planned_model(recipe))
+    chosen = estimate(shape, recipe, launch, launch.strategy)
+    peaks = {policy: chosen.device_peak(policy) for policy in ("none", "selective", "full")}
+    assert peaks["none"] > peaks["selective"] > peaks["full"]
+    assert cheapest_policy(shape, recipe, launch, peaks["none"]) == "none"
+    assert cheapest_policy(shape, recipe, launch, peaks["none"] - 1) == "selective"
+    assert cheapest_policy(shape, recipe, launch, peaks["selective"] - 1) == "full"
+    assert cheapest_policy(shape, recipe, launch, peaks["full"] - 1) == "full"  # the verdict says what else
+    assert cheapest_policy(shape, recipe, launch, None) == "none"
+    assert "(this run: auto, so selective)" in plan(recipe, launch, peaks["none"] - 1)
