@@ -1,15 +1,15 @@
 """`make bench-gpu`: finetune on the GPUs of this machine, Llama-3.2-1B shape, bf16, sequence 2048.
 
-    python bench/gpu.py [--quick] [--steps 30] [--micro-batch 4]
+    python bench/gpu.py [--quick] [--steps 30] [--micro-batch 4] [--only TEXT ...]
 
 The model has Llama-3.2-1B's architecture (recipes/llama/configs/Llama-3.2-1B-Instruct/config.json)
-and random weights, so nothing is downloaded; the data is synthetic text packed into full rows of
-2048 tokens. Each variant is one `accelerate launch` of `finetune train` with the single-node preset
-(FSDP2 full shard, bf16 compute over float32 master weights) on every visible GPU, one lever changed
-at a time (VARIANTS): the loss path, the activation-checkpointing policy, regional compilation.
-Reported per GPU: tokens/s, MFU
-(finetune.flops: 6 N + 6 L s d_attn model FLOPs per token over the device's dense bf16 peak) and
-the step-1 peak memory. Results: bench/results/<date>-<commit>-gpu.json and .md, whose table is
+and random weights, so nothing is downloaded; the data is synthetic texts of varied length, packed
+several to a row of 2048 tokens. Each variant is one `accelerate launch` of `finetune train` with the
+single-node preset (FSDP2 full shard, bf16 compute over float32 master weights) on every visible GPU,
+one lever changed at a time (VARIANTS): the loss path, the attention path, the activation-checkpointing
+policy, regional compilation; then varlen and compile together. Reported per GPU: tokens/s, MFU
+(finetune.flops: 6 N per token + 6 L d_attn n^2 per sample of n tokens, over the device's dense bf16
+peak) and the step-1 peak memory. Results: bench/results/<date>-<commit>-gpu.json and .md, whose table is
 what docs/benchmarks.md quotes. `--quick` runs a tiny model on 2 CPU processes (what the tests run).
 """
 

@@ -53,9 +53,11 @@ def unsupported(config: Any) -> str | None:
 
 def kernel(device: torch.device, dtype: torch.dtype) -> str:
     """Which kernel the varlen path runs for tensors of this device and dtype (the log says it)."""
-    if _varlen_attn() is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        return "torch varlen_attn (FlashAttention)"
-    return "SDPA once per sample"
+    return "torch varlen_attn (FlashAttention)" if _flash_runs(device, dtype) else "SDPA once per sample"
+
+
+def _flash_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    return _varlen_attn() is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
 def boundaries(position_ids: torch.Tensor) -> dict[str, Any]:
@@ -63,16 +65,12 @@ def boundaries(position_ids: torch.Tensor) -> dict[str, Any]:
     length) once flattened into one: a sample starts wherever the positions restart at 0. The longest
     sample is given as the row length, which bounds it: the kernel only sizes its grid by it, and a
     number that never changes keeps compiled layers from recompiling for each batch."""
-    cu = boundaries_from_positions(position_ids).to(torch.int32)
-    longest = position_ids.shape[-1]
-    return dict(zip(BOUNDARY_KWARGS, (cu, cu, longest, longest), strict=True))
-
-
-def boundaries_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
-    """Cumulative sample lengths (starting with 0) of `position_ids` read as one sequence."""
     positions = position_ids.reshape(-1)
     starts = torch.nonzero(positions == 0).reshape(-1)
-    return torch.cat([starts, torch.tensor([positions.numel()], device=positions.device)])
+    end = torch.tensor([positions.numel()], device=positions.device)
+    cu = torch.cat([starts, end]).to(torch.int32)  # cumulative sample lengths, from 0
+    longest = position_ids.shape[-1]
+    return dict(zip(BOUNDARY_KWARGS, (cu, cu, longest, longest), strict=True))
 
 
 def varlen_attention(
@@ -98,10 +96,10 @@ def varlen_attention(
         raise ValueError("varlen attention takes packed rows flattened into one (finetune.loss.model_inputs does)")
     # (1, heads, tokens, dim) -> (tokens, heads, dim), the layout of varlen kernels.
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    if kernel(q.device, q.dtype) == "SDPA once per sample":
-        out = _per_sample(q, k, v, cu.tolist(), scaling, gqa)
-    else:
+    if _flash_runs(q.device, q.dtype):
         out = _flash(q, k, v, cu, kwargs["max_length_q"], scaling)
+    else:
+        out = _per_sample(q, k, v, cu.tolist(), scaling, gqa)
     return out.unsqueeze(0), None
 
 
@@ -128,7 +126,7 @@ def _flash(
     varlen_attn = _varlen_attn()
     extra: dict[str, Any] = {}
     if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+        if _takes_gqa():
             extra["enable_gqa"] = True
         else:  # torch 2.10/2.11: the kernel wants as many key/value heads as query heads
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
@@ -143,3 +141,9 @@ def _varlen_attn() -> Any:
     except ImportError:
         return None
     return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
+
+
+@functools.cache
+def _takes_gqa() -> bool:
+    """Whether torch's varlen kernel shares key/value heads itself (asked once, not in every layer's call)."""
+    return "enable_gqa" in inspect.signature(_varlen_attn()).parameters

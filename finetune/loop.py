@@ -76,7 +76,7 @@ from finetune.model import (
 )
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.outputs import check_output_dir, claim_output_dir
-from finetune.plan import cheapest_policy, model_shape, planned_model
+from finetune.plan import cheapest_policy, estimate, model_shape, planned_model
 from finetune.recompute import Policy
 from finetune.wrap import format_wrap_plan, fsdp_units, reshard, validate_wrap_policy
 
@@ -397,7 +397,7 @@ def train_step(
     # One all-reduce, one device sync: every process needs the global target count before its first backward.
     # float64 holds the counts exactly (below 2**53) and the FLOPs.
     counts = torch.stack([c.to(accelerator.device, torch.float64) for c in counts])
-    num_targets, num_tokens, model_flops = accelerator.reduce(counts, "sum").tolist()
+    num_targets, num_tokens, step_flops = accelerator.reduce(counts, "sum").tolist()
     # DDP and FSDP average gradients over processes; multiplying by the process count turns that
     # average into a sum, so the update is the gradient of (all token losses) / (all target tokens).
     scale = accelerator.num_processes / max(num_targets, 1)
@@ -423,7 +423,7 @@ def train_step(
     if probe is not None:
         probe.measure_update(optimizer)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, grad_norm, int(num_tokens), int(num_targets), model_flops)
+    return StepResult(loss, grad_norm, int(num_tokens), int(num_targets), step_flops)
 
 
 def _accumulation_windows(
@@ -506,8 +506,8 @@ def checkpointing_policy(recipe: RecipeConfig, accelerator: Accelerator) -> tupl
         )
     cuda = accelerator.device.type == "cuda"
     memory = torch.cuda.get_device_properties(accelerator.device).total_memory if cuda else None
-    shape = model_shape(planned_model(recipe))
-    policy = cheapest_policy(shape, recipe, running_launch(accelerator), memory)
+    launch = running_launch(accelerator)
+    policy = cheapest_policy(estimate(model_shape(planned_model(recipe)), recipe, launch, launch.strategy), memory)
     reason = (
         f"the first that the plan fits in {memory / 2**30:.1f} GiB"
         if memory

@@ -256,7 +256,7 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
             f"{e.device_total('full') / gib:>9.2f}"
         )
     chosen = estimates[launch.strategy]
-    policy = run_policy(shape, recipe, launch, gpu_memory)
+    policy = run_policy(chosen, recipe, launch, gpu_memory)
     if recipe.train.checkpointing == "auto" and not launch.activation_checkpointing:
         policy = f"auto, so {policy}"
     lines.append(
@@ -280,8 +280,8 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
 
 def verdict(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     """fits / fits with checkpointing or offload / does not fit, for the configured strategy."""
-    checkpointing = run_policy(shape, recipe, launch, gpu_memory)
     chosen = estimate(shape, recipe, launch, launch.strategy)
+    checkpointing = run_policy(chosen, recipe, launch, gpu_memory)
     if chosen.device_at_load > gpu_memory:
         return (
             f"does not fit at load ({chosen.device_at_load / 2**30:.1f} GiB needed of {gpu_memory / 2**30:.1f}): "
@@ -309,23 +309,22 @@ def verdict(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory:
     )
 
 
-def run_policy(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory: int | None) -> Policy:
+def run_policy(chosen: Estimate, recipe: RecipeConfig, launch: Launch, gpu_memory: int | None) -> Policy:
     """The activation-checkpointing policy the run uses: the accelerate config's (full) or the recipe's,
-    `auto` resolved by `cheapest_policy`."""
+    `auto` resolved by `cheapest_policy` on the launch's estimate `chosen`."""
     if launch.activation_checkpointing:
         return "full"
     if recipe.train.checkpointing != "auto":
         return recipe.train.checkpointing
-    return cheapest_policy(shape, recipe, launch, gpu_memory)
+    return cheapest_policy(chosen, gpu_memory)
 
 
-def cheapest_policy(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory: int | None) -> Policy:
+def cheapest_policy(chosen: Estimate, gpu_memory: int | None) -> Policy:
     """`train.activation_checkpointing: auto`: the first of none, selective, full (least recomputation first)
-    whose estimated peak fits `gpu_memory`; full when none does (the verdict then says what else to change);
-    none when there is no device memory to fit (CPU)."""
+    whose estimated peak (`chosen`, the launch's strategy) fits `gpu_memory`; full when none does (the verdict
+    then says what else to change); none when there is no device memory to fit (CPU)."""
     if gpu_memory is None:
         return "none"
-    chosen = estimate(shape, recipe, launch, launch.strategy)
     policies: tuple[Policy, ...] = ("none", "selective", "full")
     return next((policy for policy in policies if chosen.device_peak(policy) <= gpu_memory), "full")
 

@@ -109,9 +109,9 @@ def test_auto_checkpointing_takes_the_least_recomputation_that_fits():
     chosen = estimate(shape, recipe, launch, launch.strategy)
     peaks = {policy: chosen.device_peak(policy) for policy in ("none", "selective", "full")}
     assert peaks["none"] > peaks["selective"] > peaks["full"]
-    assert cheapest_policy(shape, recipe, launch, peaks["none"]) == "none"
-    assert cheapest_policy(shape, recipe, launch, peaks["none"] - 1) == "selective"
-    assert cheapest_policy(shape, recipe, launch, peaks["selective"] - 1) == "full"
-    assert cheapest_policy(shape, recipe, launch, peaks["full"] - 1) == "full"  # the verdict says what else
-    assert cheapest_policy(shape, recipe, launch, None) == "none"
+    assert cheapest_policy(chosen, peaks["none"]) == "none"
+    assert cheapest_policy(chosen, peaks["none"] - 1) == "selective"
+    assert cheapest_policy(chosen, peaks["selective"] - 1) == "full"
+    assert cheapest_policy(chosen, peaks["full"] - 1) == "full"  # the verdict says what else
+    assert cheapest_policy(chosen, None) == "none"
     assert "(this run: auto, so selective)" in plan(recipe, launch, peaks["none"] - 1)
