@@ -194,24 +194,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if with_grads and ctx.needs_input_grad[2] else None
         for start in range(0, hidden.shape[0], rows):
             h, t = hidden[start : start + rows], targets[start : start + rows]
-            logits = F.linear(h, weight, bias).float()
             valid = t != IGNORE
             safe = torch.where(valid, t, 0).unsqueeze(1)
-            lse = torch.logsumexp(logits, dim=-1)
-            losses[start : start + rows] = torch.where(valid, lse - logits.gather(1, safe).squeeze(1), 0.0)
+            # One fused pass over the chunk's logits for log-softmax (logsumexp is a composite of several
+            # full-size passes on CPU), then the gradient in place from it.
+            log_probs = torch.log_softmax(F.linear(h, weight, bias).float(), dim=-1)
+            losses[start : start + rows] = torch.where(valid, -log_probs.gather(1, safe).squeeze(1), 0.0)
             if grad_hidden is None and grad_weight is None and grad_bias is None:
                 continue
-            # d loss / d logits = softmax - one-hot of the target; zero for rows without a target.
-            grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()
+            # d loss / d logits = softmax - one-hot of the target, zero for rows without a target; the zeroing
+            # is applied to the small operands (h, the row weights), not to a pass over the logits.
+            grad_logits = log_probs.exp_()
             grad_logits.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=grad_logits.dtype))
-            grad_logits.mul_(valid.unsqueeze(1))
             if grad_bias is not None:
-                grad_bias += grad_logits.sum(dim=0)
+                grad_bias.addmv_(grad_logits.t(), valid.to(grad_logits.dtype))
             grad_logits = grad_logits.to(weight.dtype)  # as the reference's backward through `.float()`
             if grad_hidden is not None:
-                grad_hidden[start : start + rows] = grad_logits @ weight
+                grad_hidden[start : start + rows] = (grad_logits @ weight) * valid.unsqueeze(1)
             if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.t(), h)
+                grad_weight.addmm_(grad_logits.t(), h * valid.unsqueeze(1))
         ctx.mark_non_differentiable(losses)
         ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (grad_hidden, grad_weight, grad_bias)))
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
