@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -326,9 +327,14 @@ class Bench:
                 seconds: dict[str, list[float]] = {contender: [] for contender in contenders}
                 for _ in range(3 * self.repeats):  # seconds each: more repetitions against the noise
                     for contender, run in contenders.items():
-                        began = time.perf_counter()
-                        out = run(data)
-                        seconds[contender].append(time.perf_counter() - began)
+                        gc.collect()  # as timeit does: the collector's pauses otherwise fall on either contender
+                        gc.disable()
+                        try:
+                            began = time.perf_counter()
+                            out = run(data)
+                            seconds[contender].append(time.perf_counter() - began)
+                        finally:
+                            gc.enable()
                 median = {contender: statistics.median(values) for contender, values in seconds.items()}
                 tokens = sum(len(ids) for ids in out["input_ids"])
                 sets[name] = {

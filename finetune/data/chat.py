@@ -72,7 +72,7 @@ def encode_rendered(
 ) -> list[EncodedChat]:
     """Tokenize the rendered texts in one call (the fast tokenizer is entered once per batch) and map the
     trained character spans to tokens through the encodings, so merges across turn boundaries cannot shift them."""
-    batch = tokenizer([s.text for s in samples], add_special_tokens=False)
+    batch = tokenizer([s.text for s in samples], add_special_tokens=False, return_attention_mask=False)
     encoded = []
     for n, (sample, ids) in enumerate(zip(samples, batch["input_ids"], strict=True)):
         first_token = _FirstToken(batch.encodings[n], len(ids), len(sample.text))
@@ -201,7 +201,8 @@ def _render_batches(
     """Render conversations (each with its tools) grouped by their tools; None where the template refuses one."""
     groups: dict[str, list[int]] = {}
     for n, (_, schemas) in enumerate(conversations):
-        groups.setdefault(json.dumps(schemas, sort_keys=True, default=str), []).append(n)
+        key = "" if schemas is None else json.dumps(schemas, sort_keys=True, default=str)
+        groups.setdefault(key, []).append(n)
     texts: list[str | None] = [None] * len(conversations)
     for members in groups.values():
         schemas = conversations[members[0]][1]
@@ -585,16 +586,19 @@ def _filled_spans(
     the rendered text (the template copies texts as they are: no trimming, no branching on them), each
     placeholder then standing where its text lies; None otherwise, to locate them by `_reply_spans`."""
     where: dict[str, list[tuple[int, int]]] = {}
-    parts, position = [], 0
+    position = 0
+    # Compared piece by piece in place: no filled copy of the text is built.
     for n, piece in enumerate(skeleton.pieces):
         if n % 2:
-            if piece not in values:  # a placeholder-like text the data itself carried into the skeleton
+            value = values.get(piece)
+            if value is None:  # a placeholder-like text the data itself carried into the skeleton
                 return None
-            where.setdefault(piece, []).append((position, position + len(values[piece])))
-            piece = values[piece]
-        parts.append(piece)
+            where.setdefault(piece, []).append((position, position + len(value)))
+            piece = value
+        if not text.startswith(piece, position):
+            return None
         position += len(piece)
-    if "".join(parts) != text:
+    if position != len(text):
         return None
     found = []  # (start, end, kind, reply)
     for k, i in enumerate(trained):
