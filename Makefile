@@ -148,8 +148,9 @@ plan: $(STAMP) ## memory per device for RECIPE under CONFIG on NUM_PROCESSES dev
 		--num-processes $(NUM_PROCESSES) --num-machines $(NUM_MACHINES) --gpu-memory $(or $(GPU_MEMORY),80GB)
 
 # Ratios measured in one run, interleaved repetitions; results in bench/results/<date>-<commit>.{json,md,png}.
-bench: $(STAMP) ## speed and memory vs hand-written FSDP2, Trainer, merge-weights, TRL, PEFT; LoRA; scaling (CPU, ~20 min)
-	$(OFFLINE) $(PY) bench/run.py $(if $(REPEATS),--repeats $(REPEATS))
+# ONLY=loss_path,loop_overhead (comma-separated) re-measures some comparisons; their files are named after them.
+bench: $(STAMP) ## speed and memory vs hand-written FSDP2, Trainer, merge-weights, TRL, PEFT; LoRA; scaling (CPU, ~40 min)
+	$(OFFLINE) $(PY) bench/run.py $(if $(REPEATS),--repeats $(REPEATS)) $(if $(ONLY),--only $(ONLY))
 
 bench-gpu: $(STAMP) ## Llama-3.2-1B shape, bf16, seq 2048, FSDP2 on all GPUs: tokens/s, MFU, peak memory
 	$(OFFLINE) $(PY) bench/gpu.py

@@ -4,7 +4,8 @@
 
 Same model (from_pretrained), same packed rows (saved by bench/run.py from finetune's own data
 pipeline), same micro-batch, AdamW and gradient clipping; one FSDP unit per decoder layer plus the
-root, as finetune's configs wrap. It writes the wall time of every step.
+root, as finetune's configs wrap (accelerate 1.15 also gives the embedding and the final norm + head
+units of their own: measured alike here, 0.75 s vs 0.76 s per step). It writes the wall time of every step.
 """
 
 from __future__ import annotations

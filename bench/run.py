@@ -70,7 +70,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per contender")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder for the results")
     parser.add_argument("--work", default=str(REPO / "outputs" / "bench"), help="scratch folder (models, runs)")
+    parser.add_argument(
+        "--only", default=",".join(SECTIONS), help=f"comma-separated comparisons to run, of: {', '.join(SECTIONS)}"
+    )
     args = parser.parse_args()
+    only = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown or not only:
+        parser.error(f"--only takes comparisons of: {', '.join(SECTIONS)} (got {args.only!r})")
+    partial = set(only) != set(SECTIONS)
     bench = Bench(Path(args.work), quick=args.quick, repeats=1 if args.quick else args.repeats)
     started = time.perf_counter()
     results = {
@@ -80,8 +88,7 @@ def main() -> None:
         "quick": args.quick,
         "repeats": bench.repeats,
     }
-    sections = ("data_pipeline", "loss_path", "loop_overhead", "trainer", "checkpoint_save", "scaling", "export")
-    for name in (*sections, "lora_vs_full", "trl_lora", "merge"):
+    for name in (name for name in SECTIONS if name in only):
         print(f"bench: {name} ...", flush=True)
         began = time.perf_counter()
         results[name] = getattr(bench, name)()
@@ -89,12 +96,15 @@ def main() -> None:
     results["total_seconds"] = round(time.perf_counter() - started, 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{results['date']}-{results['commit']}{'-quick' if args.quick else ''}"
+    # A partial run is named by what it ran, so that it never passes for (or overwrites) a whole one.
+    stem = out / "-".join(
+        [results["date"], results["commit"], *(["quick"] if args.quick else []), *(sorted(only) if partial else [])]
+    )
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
     stem.with_suffix(".md").write_text(markdown(results))
     plot(bench.curves, results, stem)
     print(markdown(results))
-    print(f"bench: wrote {stem}.json, .md and -loss.png / -memory.png in {results['total_seconds']:.0f} s")
+    print(f"bench: wrote {stem}.json, .md and the plots of what ran in {results['total_seconds']:.0f} s")
 
 
 class Bench:
@@ -644,39 +654,69 @@ def _git(*args: str) -> str:
 
 
 def markdown(results: dict) -> str:
-    """The results as the tables docs/benchmarks.md quotes."""
-    mib = 2**20
-    loop, trainer, export, save, data, loss = (
-        results[k] for k in ("loop_overhead", "trainer", "export", "checkpoint_save", "data_pipeline", "loss_path")
-    )
+    """The results as the tables docs/benchmarks.md quotes: the rows of each comparison that ran."""
     lines = [
         f"# Benchmarks {results['date']} ({results['commit']}), {results['machine']['cpus']} CPUs, "
         f"median of {results['repeats']} interleaved repetitions{' (quick)' if results['quick'] else ''}",
         "",
         "| comparison | finetune | peer | ratio | target |",
         "|---|---|---|---|---|",
+    ]
+    for name, rows in ROWS.items():
+        if name in results:
+            lines += rows(results[name])
+    if "scaling" in results:
+        lines += ["", *_scaling_rows(results["scaling"])]
+    return "\n".join(lines) + "\n"
+
+
+MIB = 2**20
+
+
+def _loop_rows(loop: dict) -> list[str]:
+    return [
         f"| loop overhead, steps/s ({loop['size']}) | {loop['median']['finetune']:.2f} | "
         f"{loop['median']['handwritten_fsdp2']:.2f} (hand-written FSDP2) | {loop['ratio']:.3f} | "
-        f">= {loop['target']} |",
-        f"| target tokens/s vs Trainer DDP ({trainer['size']}) | DDP {trainer['median']['finetune_ddp']:.0f}, "
-        f"FSDP2 {trainer['median']['finetune_fsdp2']:.0f} | {trainer['median']['trainer_ddp']:.0f} | "
+        f">= {loop['target']} |"
+    ]
+
+
+def _trainer_rows(trainer: dict) -> list[str]:
+    median = trainer["median"]
+    return [
+        f"| target tokens/s vs Trainer DDP ({trainer['size']}) | DDP {median['finetune_ddp']:.0f}, "
+        f"FSDP2 {median['finetune_fsdp2']:.0f} | {median['trainer_ddp']:.0f} | "
         f"DDP {trainer['ratio_ddp']:.2f}x, FSDP2 {trainer['ratio_fsdp2']:.2f}x | >= {trainer['target']}x |",
         f"| target tokens/s vs TRL SFTTrainer {trainer['trl_version']} (packing, padding-free; {trainer['size']}, "
-        f"DDP) | {trainer['median']['finetune_ddp']:.0f} | {trainer['median']['trl_sft_ddp']:.0f} | "
+        f"DDP) | {median['finetune_ddp']:.0f} | {median['trl_sft_ddp']:.0f} | "
         f"{trainer['ratio_trl_ddp']:.2f}x | >= {trainer['target_trl']}x |",
-        f"| export time, s ({export['size']}) | {export['median']['finetune_export']['seconds']:.1f} | "
-        f"{export['median']['accelerate_merge_weights']['seconds']:.1f} (merge-weights) | "
+    ]
+
+
+def _export_rows(export: dict) -> list[str]:
+    ours, theirs = export["median"]["finetune_export"], export["median"]["accelerate_merge_weights"]
+    return [
+        f"| export time, s ({export['size']}) | {ours['seconds']:.1f} | {theirs['seconds']:.1f} (merge-weights) | "
         f"{export['time_ratio_vs_merge_weights']:.2f} | <= 1 |",
-        f"| export peak RSS, MiB | {export['median']['finetune_export']['peak_rss_bytes'] / mib:.0f} | "
-        f"{export['median']['accelerate_merge_weights']['peak_rss_bytes'] / mib:.0f} (merge-weights) | "
-        f"(peak - {export['fixed_overhead_rss_bytes'] / mib:.0f} MiB overhead) / largest shard "
-        f"{export['median']['finetune_export']['largest_file_bytes'] / mib:.0f} MiB = "
-        f"{export['peak_over_largest_shard']:.2f} | <= {export['target_peak_over_largest_shard']} |",
+        f"| export peak RSS, MiB | {ours['peak_rss_bytes'] / MIB:.0f} | {theirs['peak_rss_bytes'] / MIB:.0f} "
+        f"(merge-weights) | (peak - {export['fixed_overhead_rss_bytes'] / MIB:.0f} MiB overhead) / largest shard "
+        f"{ours['largest_file_bytes'] / MIB:.0f} MiB = {export['peak_over_largest_shard']:.2f} | "
+        f"<= {export['target_peak_over_largest_shard']} |",
+    ]
+
+
+def _save_rows(save: dict) -> list[str]:
+    return [
         f"| checkpoint save, s blocked ({save['size']}) | SHARDED {save['median']['sharded']:.2f} | "
         f"FULL {save['median']['full']:.2f} | | |",
         f"| asynchronous checkpoint save, s blocked ({save['size']}, SHARDED) | "
         f"{save['median']['sharded_async']:.3f} | {save['median']['sharded']:.3f} (synchronous) | "
         f"{save['async_over_sync']:.2f} | <= {save['target_async_over_sync']} |",
+    ]
+
+
+def _data_rows(data: dict) -> list[str]:
+    return [
         *(
             f"| tokenize + mask vs batched render + tokenize map, s ({sets['samples']} {name} chats, "
             f"{sets['tokens_per_sample']:.0f} tokens each) | {sets['seconds']['finetune_tokenize_mask']:.2f} | "
@@ -684,57 +724,94 @@ def markdown(results: dict) -> str:
             f">= {data['target_ratio_vs_plain']}x |"
             for name, sets in data["sets"].items()
         ),
-        *(
-            f"| loss {path}, {label} ({loss['shape']['vocab']:,} vocabulary, hidden {loss['shape']['hidden']}, "
-            f"{loss['shape']['rows']:,} tokens, fp32) | {loss['median']['chunked'][key]:.3f}x | "
-            f"{loss['median']['full_logits'][key]:.3f}x (full logits) | | <= {loss['targets'][key]}x |"
-            for path, label, key in (
-                ("chunked", "step peak / fp32 logits", "step_peak_over_logits"),
-                ("chunked", "saved for backward / fp32 logits", "saved_over_logits"),
-            )
-        ),
-        f"| loss chunked, tokens/s (same shape) | {loss['median']['chunked']['tokens_per_second']:.0f} | "
-        f"{loss['median']['full_logits']['tokens_per_second']:.0f} (full logits) | "
-        f"{loss['tokens_per_second_ratio']:.2f}x | >= {loss['targets']['tokens_per_second_ratio']}x |",
         f"| tokenize + mask + pack, tokens/s (short chats) | first {data['pack_rate']['first']:.0f} | cached "
         f"{data['pack_rate']['cached']:.0f} | | |",
     ]
-    lora, trl, merge = results["lora_vs_full"], results["trl_lora"], results["merge"]
-    full_m, lora_m = lora["median"]["full"], lora["median"]["lora"]
-    lines += [
-        f"| LoRA r={lora['lora']['peft.r']} vs full, step s ({lora['size']}, FSDP2) | {lora_m['step_seconds']:.3f} | "
-        f"{full_m['step_seconds']:.3f} (full) | {lora['step_time_ratio']:.2f} | |",
-        f"| LoRA vs full, rank 0 step peak MiB | {lora_m['step_peak'] / mib:.0f} | {full_m['step_peak'] / mib:.0f} "
+
+
+def _loss_rows(loss: dict) -> list[str]:
+    shape, median = loss["shape"], loss["median"]
+    return [
+        *(
+            f"| loss chunked, {label} ({shape['vocab']:,} vocabulary, hidden {shape['hidden']}, "
+            f"{shape['rows']:,} tokens, fp32) | {median['chunked'][key]:.3f}x | "
+            f"{median['full_logits'][key]:.3f}x (full logits) | | <= {loss['targets'][key]}x |"
+            for label, key in (
+                ("step peak / fp32 logits", "step_peak_over_logits"),
+                ("saved for backward / fp32 logits", "saved_over_logits"),
+            )
+        ),
+        f"| loss chunked, tokens/s (same shape) | {median['chunked']['tokens_per_second']:.0f} | "
+        f"{median['full_logits']['tokens_per_second']:.0f} (full logits) | "
+        f"{loss['tokens_per_second_ratio']:.2f}x | >= {loss['targets']['tokens_per_second_ratio']}x |",
+    ]
+
+
+def _lora_rows(lora: dict) -> list[str]:
+    full, adapted = lora["median"]["full"], lora["median"]["lora"]
+    return [
+        f"| LoRA r={lora['lora']['peft.r']} vs full, step s ({lora['size']}, FSDP2) | {adapted['step_seconds']:.3f} | "
+        f"{full['step_seconds']:.3f} (full) | {lora['step_time_ratio']:.2f} | |",
+        f"| LoRA vs full, rank 0 step peak MiB | {adapted['step_peak'] / MIB:.0f} | {full['step_peak'] / MIB:.0f} "
         f"(full) | {lora['peak_ratio']:.2f} | |",
-        f"| LoRA vs full, checkpoint MiB | {lora_m['checkpoint_bytes'] / mib:.2f} | "
-        f"{full_m['checkpoint_bytes'] / mib:.2f} (full) | {lora['checkpoint_bytes_ratio']:.3f} | |",
+        f"| LoRA vs full, checkpoint MiB | {adapted['checkpoint_bytes'] / MIB:.2f} | "
+        f"{full['checkpoint_bytes'] / MIB:.2f} (full) | {lora['checkpoint_bytes_ratio']:.3f} | |",
+    ]
+
+
+def _trl_lora_rows(trl: dict) -> list[str]:
+    return [
         f"| LoRA target tokens/s vs TRL SFTTrainer {trl['trl_version']} + PEFT ({trl['size']}, DDP) | "
         f"{trl['median']['finetune_lora_ddp']:.0f} | {trl['median']['trl_sft_lora_ddp']:.0f} | "
-        f"{trl['ratio']:.2f}x | >= {trl['target']}x |",
-        f"| merged export, s ({merge['size']}, {merge['parameters']:,} parameters) | "
-        f"{merge['median']['finetune_export_merge']['seconds']:.1f} | "
-        f"{merge['median']['peft_merge_and_unload']['seconds']:.1f} (merge_and_unload + save_pretrained) | "
-        f"{merge['time_ratio']:.2f} | |",
-        f"| merged export peak RSS, MiB | {merge['median']['finetune_export_merge']['peak_rss_bytes'] / mib:.0f} | "
-        f"{merge['median']['peft_merge_and_unload']['peak_rss_bytes'] / mib:.0f} | {merge['peak_ratio']:.2f} | "
-        f"<= {merge['target_peak_ratio']} |",
-        "",
+        f"{trl['ratio']:.2f}x | >= {trl['target']}x |"
+    ]
+
+
+def _merge_rows(merge: dict) -> list[str]:
+    ours, peft = merge["median"]["finetune_export_merge"], merge["median"]["peft_merge_and_unload"]
+    return [
+        f"| merged export, s ({merge['size']}, {merge['parameters']:,} parameters) | {ours['seconds']:.1f} | "
+        f"{peft['seconds']:.1f} (merge_and_unload + save_pretrained) | {merge['time_ratio']:.2f} | |",
+        f"| merged export peak RSS, MiB | {ours['peak_rss_bytes'] / MIB:.0f} | {peft['peak_rss_bytes'] / MIB:.0f} | "
+        f"{merge['peak_ratio']:.2f} | <= {merge['target_peak_ratio']} |",
+    ]
+
+
+def _scaling_rows(scaling: dict) -> list[str]:
+    lines = [
         "Scaling (global batch 16 rows x 128 tokens; rank 0 bytes measured in step 1):",
         "",
         "| size | params | processes | strategy | step s | params MiB | grads MiB | optimizer MiB | activations MiB "
         "| step peak MiB |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in results["scaling"]["rows"]:
+    for row in scaling["rows"]:
         mem = row["rank0_bytes"]
         lines.append(
             f"| {row['size']} | {row['parameters'] or 0:,} | {row['processes']} | {row['strategy']} | "
-            f"{row['step_seconds']:.3f} | {mem.get('parameters', 0) / mib:.1f} | "
-            f"{mem.get('gradients', 0) / mib:.1f} | "
-            f"{mem.get('optimizer_state', 0) / mib:.1f} | {mem.get('activations', 0) / mib:.1f} | "
-            f"{mem.get('step_peak', 0) / mib:.0f} |"
+            f"{row['step_seconds']:.3f} | {mem.get('parameters', 0) / MIB:.1f} | "
+            f"{mem.get('gradients', 0) / MIB:.1f} | "
+            f"{mem.get('optimizer_state', 0) / MIB:.1f} | {mem.get('activations', 0) / MIB:.1f} | "
+            f"{mem.get('step_peak', 0) / MIB:.0f} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+# The comparison table's rows of each section, in the table's order.
+ROWS = {
+    "loop_overhead": _loop_rows,
+    "trainer": _trainer_rows,
+    "export": _export_rows,
+    "checkpoint_save": _save_rows,
+    "data_pipeline": _data_rows,
+    "loss_path": _loss_rows,
+    "lora_vs_full": _lora_rows,
+    "trl_lora": _trl_lora_rows,
+    "merge": _merge_rows,
+}
+SECTIONS = ("data_pipeline", "loss_path", "loop_overhead", "trainer", "checkpoint_save", "scaling", "export",
+            "lora_vs_full", "trl_lora", "merge")  # fmt: skip
+"""Every comparison, in the order `make bench` runs them."""
 
 
 def plot(curves: dict[str, list[float]], results: dict, stem: Path) -> None:
@@ -743,15 +820,17 @@ def plot(curves: dict[str, list[float]], results: dict, stem: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(6, 4))
-    for label, losses in curves.items():
-        axis.plot(range(1, len(losses) + 1), losses, label=label)
-    axis.set(xlabel="step", ylabel="training loss", title="Same model, data and optimizer")
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(f"{stem}-loss.png", dpi=120)
-    plt.close(figure)
-
+    if curves:
+        figure, axis = plt.subplots(figsize=(6, 4))
+        for label, losses in curves.items():
+            axis.plot(range(1, len(losses) + 1), losses, label=label)
+        axis.set(xlabel="step", ylabel="training loss", title="Same model, data and optimizer")
+        axis.legend()
+        figure.tight_layout()
+        figure.savefig(f"{stem}-loss.png", dpi=120)
+        plt.close(figure)
+    if "scaling" not in results:
+        return
     rows = [r for r in results["scaling"]["rows"] if r["processes"] == 2]
     figure, axis = plt.subplots(figsize=(7, 4))
     labels = [f"{r['size']}\n{r['strategy']}" for r in rows]

@@ -16,10 +16,11 @@ from finetune.flops import flops_per_token, peak_flops
 pytestmark = pytest.mark.multiprocess
 
 
-def run_script(script: str, tmp_path) -> dict:
+def run_script(script: str, tmp_path, *options: str) -> dict:
     out = tmp_path / "results"
     result = subprocess.run(
-        [sys.executable, str(REPO / "bench" / script), "--quick", "--work", str(tmp_path / "work"), "--out", str(out)],
+        [sys.executable, str(REPO / "bench" / script), "--quick", "--work", str(tmp_path / "work"), "--out", str(out),
+         *options],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -63,6 +64,22 @@ def test_make_bench_runs_every_comparison(tmp_path):
     assert lora["checkpoint_bytes_ratio"] < 0.5 and positive(lora["step_time_ratio"])
     assert all(positive(v) for v in results["trl_lora"]["median"].values())
     assert all(positive(v["peak_rss_bytes"]) for v in results["merge"]["median"].values())
+
+
+def test_make_bench_reruns_one_comparison_alone(tmp_path):
+    """`--only` runs the comparisons named, and its files say which, so a partial run never reads as a whole one."""
+    results = run_script("run.py", tmp_path, "--only", "loss_path")
+    metadata = {"date", "commit", "machine", "quick", "repeats", "total_seconds", "_files"}
+    assert set(results) - metadata == {"loss_path"}
+    assert results["_files"] == [
+        f"{results['date']}-{results['commit']}-quick-loss_path.{ext}" for ext in ("json", "md")
+    ]
+    table = (tmp_path / "results" / results["_files"][1]).read_text()
+    assert "loss chunked, tokens/s" in table and "loop overhead" not in table and "Scaling" not in table
+    refused = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "run.py"), "--only", "loss,trainer"], capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and "--only takes comparisons of: data_pipeline" in refused.stderr
 
 
 def test_bench_gpu_runs_on_cpu_in_quick_mode(tmp_path):
