@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import re
 from dataclasses import dataclass
@@ -340,6 +341,15 @@ def chat_messages(messages: Any, index: int) -> list[dict[str, Any]]:
         )
     normalized = []
     for number, message in enumerate(messages):
+        if (
+            type(message) is dict
+            and len(message) == 2
+            and type(message.get("role")) is str
+            and type(message.get("content")) is str
+            and message["role"] != "tool"
+        ):
+            normalized.append(message)  # a role and its text, as most messages are: nothing to check or convert
+            continue
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise FinetuneError(
                 f"{where}, message {number}: expected an object with a text role, got {describe(message)}; "
@@ -505,28 +515,32 @@ def _reply_spans(
             return None
         regions[kind, k] = (position, end, j)
         position = end + len(following)
-    return _spans(text, segments, regions, shape, len(trained))
+    return _spans(text, regions, shape, len(trained))
 
 
 _Regions = dict[tuple[str, int], tuple[int, int, int]]
 """(kind, reply) -> where the reply's content ("reply") or reasoning lies in the text: start, end, and
-its number in the order the template wrote them (segments[number] is the template text before it)."""
+its number in the order the template wrote them. The template's own text lies between regions."""
 
 
 def _spans(
-    text: str, segments: list[str], regions: _Regions, shape: TemplateShape, replies: int
+    text: str, regions: _Regions, shape: TemplateShape, replies: int
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """The trained span of each reply, from its assistant header through its turn's end marker, and
     the spans of the reasoning inside them."""
+    # The template's text before region j runs from the end of region j - 1 (or 0) to its start.
+    starts, ends = sorted(start for start, _, _ in regions.values()), sorted(end for _, end, _ in regions.values())
     spans, reasoning = [], []
     for k in range(replies):
-        first_start, _, first = min(regions[kind, k] for kind in ("reasoning", "reply") if (kind, k) in regions)
-        start = first_start - len(segments[first]) + _reply_offset(segments[first], shape)
         content_start, content_end, j = regions["reply", k]
-        marker = segments[j + 1].find(shape.end_marker) if shape.end_marker else -1
-        spans.append((start, content_end + (marker + len(shape.end_marker) if marker >= 0 else 0)))
-        if ("reasoning", k) in regions:
-            reasoning.append(regions["reasoning", k][:2])
+        thought = regions.get(("reasoning", k))
+        first_start, _, first = thought if thought is not None and thought[2] < j else (content_start, content_end, j)
+        start = _reply_start(text, ends[first - 1] if first else 0, first_start, shape)
+        following_end = starts[j + 1] if j + 1 < len(starts) else len(text)
+        marker = text.find(shape.end_marker, content_end, following_end) if shape.end_marker else -1
+        spans.append((start, marker + len(shape.end_marker) if marker >= 0 else content_end))
+        if thought is not None:
+            reasoning.append(thought[:2])
         elif (think := _think_block(text, content_start, content_end)) is not None:
             reasoning.append(think)
     return spans, reasoning
@@ -539,6 +553,31 @@ class _Skeleton:
     between template text and placeholder names (c<i> the content of message i, r<i> its reasoning)."""
 
     pieces: list[str]
+    plans: dict[tuple[int, ...], list[tuple[int, str, int]] | None] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def plan(self, trained: tuple[int, ...]) -> list[tuple[int, str, int]] | None:
+        """Where the replies `trained` (message positions) stand among the pieces, the same for every
+        conversation of this skeleton: (piece number, "reply" or "reasoning", reply) in the order
+        written, or None if a reply's content is not there exactly once, its reasoning more than
+        once, or the replies are out of order."""
+        if trained not in self.plans:
+            self.plans[trained] = self._plan(trained)
+        return self.plans[trained]
+
+    def _plan(self, trained: tuple[int, ...]) -> list[tuple[int, str, int]] | None:
+        where: dict[str, list[int]] = {}
+        for n in range(1, len(self.pieces), 2):
+            where.setdefault(self.pieces[n], []).append(n)
+        found = []
+        for k, i in enumerate(trained):
+            content, reasoning = where.get(f"c{i}", []), where.get(f"r{i}", [])
+            if len(content) != 1 or len(reasoning) > 1:
+                return None
+            found += [(content[0], "reply", k)] + [(n, "reasoning", k) for n in reasoning]
+        found.sort()
+        return found if [k for _, kind, k in found if kind == "reply"] == list(range(len(trained))) else None
 
 
 _PLACEHOLDER = re.compile("\ue000([cr][0-9]+)\ue001")
@@ -548,15 +587,28 @@ def _skeletons(chats: list[_Chat]) -> list[tuple[_Skeleton | None, dict[str, str
     """The skeleton of each conversation, rendered once per distinct structure in the batch (roles,
     tool calls, tools: everything but the texts), so that locating replies costs no second rendering
     of each conversation (None where the template refuses the placeholders), and the texts that fill it."""
-    keys, fillings, structures = [], [], {}
+    keys: list[Any] = []
+    fillings, structures = [], {}
     for chat in chats:
-        messages, values = [], {}
-        for i, message in enumerate(chat.messages):
-            message, texts = _placeholders(message, i)
-            messages.append(message)
-            values.update(texts)
-        key = repr((messages, chat.tools))
-        structures.setdefault(key, (messages, chat.tools))
+        if chat.tools is None and all(
+            len(m) == 2 and type(m.get("content")) is str and m["content"] for m in chat.messages
+        ):
+            # Role and text only, as most data is: the roles are the structure (what `_placeholders` would give).
+            key: Any = tuple(m["role"] for m in chat.messages)
+            values = {f"c{i}": m["content"] for i, m in enumerate(chat.messages)}
+            if key not in structures:
+                structures[key] = (
+                    [{"role": role, "content": _SENTINEL.format(f"c{i}")} for i, role in enumerate(key)],
+                    None,
+                )
+        else:
+            messages, values = [], {}
+            for i, message in enumerate(chat.messages):
+                message, texts = _placeholders(message, i)
+                messages.append(message)
+                values.update(texts)
+            key = repr((messages, chat.tools))
+            structures.setdefault(key, (messages, chat.tools))
         keys.append(key)
         fillings.append(values)
     rendered = _render_batches(list(structures.values()), chats[0].tokenizer) if chats else []
@@ -585,38 +637,17 @@ def _filled_spans(
     """The replies' spans when the skeleton filled with the conversation's texts (`values`) is exactly
     the rendered text (the template copies texts as they are: no trimming, no branching on them), each
     placeholder then standing where its text lies; None otherwise, to locate them by `_reply_spans`."""
-    where: dict[str, list[tuple[int, int]]] = {}
-    position = 0
-    # Compared piece by piece in place: no filled copy of the text is built.
-    for n, piece in enumerate(skeleton.pieces):
-        if n % 2:
-            value = values.get(piece)
-            if value is None:  # a placeholder-like text the data itself carried into the skeleton
-                return None
-            where.setdefault(piece, []).append((position, position + len(value)))
-            piece = value
-        if not text.startswith(piece, position):
-            return None
-        position += len(piece)
-    if position != len(text):
+    parts = list(skeleton.pieces)
+    try:
+        parts[1::2] = [values[name] for name in skeleton.pieces[1::2]]
+    except KeyError:  # a placeholder-like text the data itself carried into the skeleton
         return None
-    found = []  # (start, end, kind, reply)
-    for k, i in enumerate(trained):
-        content, reasoning = where.get(f"c{i}", []), where.get(f"r{i}", [])
-        if len(content) != 1 or len(reasoning) > 1:
-            return None
-        found += [(*content[0], "reply", k)] + [(*region, "reasoning", k) for region in reasoning]
-    found.sort()
-    if [k for *_, kind, k in found if kind == "reply"] != list(range(len(trained))):
+    plan = skeleton.plan(tuple(trained))
+    if plan is None or "".join(parts) != text:
         return None
-    regions: _Regions = {}
-    segments, previous = [], 0
-    for j, (start, end, kind, k) in enumerate(found):
-        regions[kind, k] = (start, end, j)
-        segments.append(text[previous:start])
-        previous = end
-    segments.append(text[previous:])
-    return _spans(text, segments, regions, shape, len(trained))
+    ends = list(itertools.accumulate(map(len, parts)))  # part n of the text ends at ends[n]
+    regions: _Regions = {(kind, k): (ends[n - 1], ends[n], j) for j, (n, kind, k) in enumerate(plan)}
+    return _spans(text, regions, shape, len(trained))
 
 
 def _think_block(text: str, start: int, end: int) -> tuple[int, int] | None:
@@ -648,9 +679,10 @@ def _with_placeholder(message: dict[str, Any], placeholder: str) -> tuple[dict[s
     return {**message, "tool_calls": [call, *calls[1:]]}, name
 
 
-def _reply_offset(segment: str, shape: TemplateShape) -> int:
-    """Where in the template text before a reply the reply begins: after the last assistant header."""
+def _reply_start(text: str, start: int, end: int, shape: TemplateShape) -> int:
+    """Where a reply begins in the template text text[start:end] before it: after its last assistant header."""
     for header in (shape.reply_prefix, shape.generation_prompt):
-        if header and header in segment:
-            return segment.rindex(header) + len(header)
-    return len(segment)
+        at = text.rfind(header, start, end) if header else -1
+        if at >= 0:
+            return at + len(header)
+    return end
