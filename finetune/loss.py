@@ -197,8 +197,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             valid = t != IGNORE
             safe = torch.where(valid, t, 0).unsqueeze(1)
             # One fused pass over the chunk's logits for log-softmax (logsumexp is a composite of several
-            # full-size passes on CPU), then the gradient in place from it.
-            log_probs = torch.log_softmax(F.linear(h, weight, bias).float(), dim=-1)
+            # full-size passes), reading bf16 logits as fp32 inside the kernel; then the gradient in place.
+            log_probs = torch.log_softmax(F.linear(h, weight, bias), dim=-1, dtype=torch.float32)
             losses[start : start + rows] = torch.where(valid, -log_probs.gather(1, safe).squeeze(1), 0.0)
             if grad_hidden is None and grad_weight is None and grad_bias is None:
                 continue
