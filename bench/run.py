@@ -673,108 +673,156 @@ def markdown(results: dict) -> str:
 MIB = 2**20
 
 
+def _row(comparison: str, finetune: str, peer: str, ratio: str = "", target: str = "") -> str:
+    """One row of the comparison table; an empty cell is written "| |"."""
+    cells = (comparison, finetune, peer, ratio, target)
+    return "|" + "|".join(f" {cell} " if cell else " " for cell in cells) + "|"
+
+
 def _loop_rows(loop: dict) -> list[str]:
+    median = loop["median"]
     return [
-        f"| loop overhead, steps/s ({loop['size']}) | {loop['median']['finetune']:.2f} | "
-        f"{loop['median']['handwritten_fsdp2']:.2f} (hand-written FSDP2) | {loop['ratio']:.3f} | "
-        f">= {loop['target']} |"
-    ]
+        _row(
+            f"loop overhead, steps/s ({loop['size']})", f"{median['finetune']:.2f}",
+            f"{median['handwritten_fsdp2']:.2f} (hand-written FSDP2)", f"{loop['ratio']:.3f}", f">= {loop['target']}",
+        )
+    ]  # fmt: skip
 
 
 def _trainer_rows(trainer: dict) -> list[str]:
-    median = trainer["median"]
+    median, size = trainer["median"], trainer["size"]
     return [
-        f"| target tokens/s vs Trainer DDP ({trainer['size']}) | DDP {median['finetune_ddp']:.0f}, "
-        f"FSDP2 {median['finetune_fsdp2']:.0f} | {median['trainer_ddp']:.0f} | "
-        f"DDP {trainer['ratio_ddp']:.2f}x, FSDP2 {trainer['ratio_fsdp2']:.2f}x | >= {trainer['target']}x |",
-        f"| target tokens/s vs TRL SFTTrainer {trainer['trl_version']} (packing, padding-free; {trainer['size']}, "
-        f"DDP) | {median['finetune_ddp']:.0f} | {median['trl_sft_ddp']:.0f} | "
-        f"{trainer['ratio_trl_ddp']:.2f}x | >= {trainer['target_trl']}x |",
-    ]
+        _row(
+            f"target tokens/s vs Trainer DDP ({size})",
+            f"DDP {median['finetune_ddp']:.0f}, FSDP2 {median['finetune_fsdp2']:.0f}", f"{median['trainer_ddp']:.0f}",
+            f"DDP {trainer['ratio_ddp']:.2f}x, FSDP2 {trainer['ratio_fsdp2']:.2f}x", f">= {trainer['target']}x",
+        ),
+        _row(
+            f"target tokens/s vs TRL SFTTrainer {trainer['trl_version']} (packing, padding-free; {size}, DDP)",
+            f"{median['finetune_ddp']:.0f}", f"{median['trl_sft_ddp']:.0f}", f"{trainer['ratio_trl_ddp']:.2f}x",
+            f">= {trainer['target_trl']}x",
+        ),
+    ]  # fmt: skip
 
 
 def _export_rows(export: dict) -> list[str]:
     ours, theirs = export["median"]["finetune_export"], export["median"]["accelerate_merge_weights"]
     return [
-        f"| export time, s ({export['size']}) | {ours['seconds']:.1f} | {theirs['seconds']:.1f} (merge-weights) | "
-        f"{export['time_ratio_vs_merge_weights']:.2f} | <= 1 |",
-        f"| export peak RSS, MiB | {ours['peak_rss_bytes'] / MIB:.0f} | {theirs['peak_rss_bytes'] / MIB:.0f} "
-        f"(merge-weights) | (peak - {export['fixed_overhead_rss_bytes'] / MIB:.0f} MiB overhead) / largest shard "
-        f"{ours['largest_file_bytes'] / MIB:.0f} MiB = {export['peak_over_largest_shard']:.2f} | "
-        f"<= {export['target_peak_over_largest_shard']} |",
-    ]
+        _row(
+            f"export time, s ({export['size']})", f"{ours['seconds']:.1f}", f"{theirs['seconds']:.1f} (merge-weights)",
+            f"{export['time_ratio_vs_merge_weights']:.2f}", "<= 1",
+        ),
+        _row(
+            "export peak RSS, MiB", f"{ours['peak_rss_bytes'] / MIB:.0f}",
+            f"{theirs['peak_rss_bytes'] / MIB:.0f} (merge-weights)",
+            f"(peak - {export['fixed_overhead_rss_bytes'] / MIB:.0f} MiB overhead) / largest shard "
+            f"{ours['largest_file_bytes'] / MIB:.0f} MiB = {export['peak_over_largest_shard']:.2f}",
+            f"<= {export['target_peak_over_largest_shard']}",
+        ),
+    ]  # fmt: skip
 
 
 def _save_rows(save: dict) -> list[str]:
+    median = save["median"]
     return [
-        f"| checkpoint save, s blocked ({save['size']}) | SHARDED {save['median']['sharded']:.2f} | "
-        f"FULL {save['median']['full']:.2f} | | |",
-        f"| asynchronous checkpoint save, s blocked ({save['size']}, SHARDED) | "
-        f"{save['median']['sharded_async']:.3f} | {save['median']['sharded']:.3f} (synchronous) | "
-        f"{save['async_over_sync']:.2f} | <= {save['target_async_over_sync']} |",
-    ]
+        _row(
+            f"checkpoint save, s blocked ({save['size']})", f"SHARDED {median['sharded']:.2f}",
+            f"FULL {median['full']:.2f}",
+        ),
+        _row(
+            f"asynchronous checkpoint save, s blocked ({save['size']}, SHARDED)", f"{median['sharded_async']:.3f}",
+            f"{median['sharded']:.3f} (synchronous)", f"{save['async_over_sync']:.2f}",
+            f"<= {save['target_async_over_sync']}",
+        ),
+    ]  # fmt: skip
 
 
 def _data_rows(data: dict) -> list[str]:
+    rows = [
+        _row(
+            f"tokenize + mask vs batched render + tokenize map, s ({sets['samples']} {name} chats, "
+            f"{sets['tokens_per_sample']:.0f} tokens each)", f"{sets['seconds']['finetune_tokenize_mask']:.2f}",
+            f"{sets['seconds']['plain_batched_map']:.2f}", f"{sets['ratio_vs_plain']:.2f}x",
+            f">= {data['target_ratio_vs_plain']}x",
+        )
+        for name, sets in data["sets"].items()
+    ]  # fmt: skip
+    rate = data["pack_rate"]
     return [
-        *(
-            f"| tokenize + mask vs batched render + tokenize map, s ({sets['samples']} {name} chats, "
-            f"{sets['tokens_per_sample']:.0f} tokens each) | {sets['seconds']['finetune_tokenize_mask']:.2f} | "
-            f"{sets['seconds']['plain_batched_map']:.2f} | {sets['ratio_vs_plain']:.2f}x | "
-            f">= {data['target_ratio_vs_plain']}x |"
-            for name, sets in data["sets"].items()
+        *rows,
+        _row(
+            "tokenize + mask + pack, tokens/s (short chats)",
+            f"first {rate['first']:.0f}",
+            f"cached {rate['cached']:.0f}",
         ),
-        f"| tokenize + mask + pack, tokens/s (short chats) | first {data['pack_rate']['first']:.0f} | cached "
-        f"{data['pack_rate']['cached']:.0f} | | |",
     ]
 
 
 def _loss_rows(loss: dict) -> list[str]:
-    shape, median = loss["shape"], loss["median"]
+    shape, median, targets = loss["shape"], loss["median"], loss["targets"]
+    memory = [
+        _row(
+            f"loss chunked, {label} ({shape['vocab']:,} vocabulary, hidden {shape['hidden']}, {shape['rows']:,} "
+            "tokens, fp32)", f"{median['chunked'][key]:.3f}x", f"{median['full_logits'][key]:.3f}x (full logits)", "",
+            f"<= {targets[key]}x",
+        )
+        for label, key in (
+            ("step peak / fp32 logits", "step_peak_over_logits"),
+            ("saved for backward / fp32 logits", "saved_over_logits"),
+        )
+    ]  # fmt: skip
     return [
-        *(
-            f"| loss chunked, {label} ({shape['vocab']:,} vocabulary, hidden {shape['hidden']}, "
-            f"{shape['rows']:,} tokens, fp32) | {median['chunked'][key]:.3f}x | "
-            f"{median['full_logits'][key]:.3f}x (full logits) | | <= {loss['targets'][key]}x |"
-            for label, key in (
-                ("step peak / fp32 logits", "step_peak_over_logits"),
-                ("saved for backward / fp32 logits", "saved_over_logits"),
-            )
+        *memory,
+        _row(
+            "loss chunked, tokens/s (same shape)", f"{median['chunked']['tokens_per_second']:.0f}",
+            f"{median['full_logits']['tokens_per_second']:.0f} (full logits)",
+            f"{loss['tokens_per_second_ratio']:.2f}x", f">= {targets['tokens_per_second_ratio']}x",
         ),
-        f"| loss chunked, tokens/s (same shape) | {median['chunked']['tokens_per_second']:.0f} | "
-        f"{median['full_logits']['tokens_per_second']:.0f} (full logits) | "
-        f"{loss['tokens_per_second_ratio']:.2f}x | >= {loss['targets']['tokens_per_second_ratio']}x |",
-    ]
+    ]  # fmt: skip
 
 
 def _lora_rows(lora: dict) -> list[str]:
     full, adapted = lora["median"]["full"], lora["median"]["lora"]
     return [
-        f"| LoRA r={lora['lora']['peft.r']} vs full, step s ({lora['size']}, FSDP2) | {adapted['step_seconds']:.3f} | "
-        f"{full['step_seconds']:.3f} (full) | {lora['step_time_ratio']:.2f} | |",
-        f"| LoRA vs full, rank 0 step peak MiB | {adapted['step_peak'] / MIB:.0f} | {full['step_peak'] / MIB:.0f} "
-        f"(full) | {lora['peak_ratio']:.2f} | |",
-        f"| LoRA vs full, checkpoint MiB | {adapted['checkpoint_bytes'] / MIB:.2f} | "
-        f"{full['checkpoint_bytes'] / MIB:.2f} (full) | {lora['checkpoint_bytes_ratio']:.3f} | |",
-    ]
+        _row(
+            f"LoRA r={lora['lora']['peft.r']} vs full, step s ({lora['size']}, FSDP2)",
+            f"{adapted['step_seconds']:.3f}",
+            f"{full['step_seconds']:.3f} (full)", f"{lora['step_time_ratio']:.2f}",
+        ),
+        _row(
+            "LoRA vs full, rank 0 step peak MiB", f"{adapted['step_peak'] / MIB:.0f}",
+            f"{full['step_peak'] / MIB:.0f} (full)", f"{lora['peak_ratio']:.2f}",
+        ),
+        _row(
+            "LoRA vs full, checkpoint MiB", f"{adapted['checkpoint_bytes'] / MIB:.2f}",
+            f"{full['checkpoint_bytes'] / MIB:.2f} (full)", f"{lora['checkpoint_bytes_ratio']:.3f}",
+        ),
+    ]  # fmt: skip
 
 
 def _trl_lora_rows(trl: dict) -> list[str]:
     return [
-        f"| LoRA target tokens/s vs TRL SFTTrainer {trl['trl_version']} + PEFT ({trl['size']}, DDP) | "
-        f"{trl['median']['finetune_lora_ddp']:.0f} | {trl['median']['trl_sft_lora_ddp']:.0f} | "
-        f"{trl['ratio']:.2f}x | >= {trl['target']}x |"
-    ]
+        _row(
+            f"LoRA target tokens/s vs TRL SFTTrainer {trl['trl_version']} + PEFT ({trl['size']}, DDP)",
+            f"{trl['median']['finetune_lora_ddp']:.0f}", f"{trl['median']['trl_sft_lora_ddp']:.0f}",
+            f"{trl['ratio']:.2f}x", f">= {trl['target']}x",
+        )
+    ]  # fmt: skip
 
 
 def _merge_rows(merge: dict) -> list[str]:
     ours, peft = merge["median"]["finetune_export_merge"], merge["median"]["peft_merge_and_unload"]
     return [
-        f"| merged export, s ({merge['size']}, {merge['parameters']:,} parameters) | {ours['seconds']:.1f} | "
-        f"{peft['seconds']:.1f} (merge_and_unload + save_pretrained) | {merge['time_ratio']:.2f} | |",
-        f"| merged export peak RSS, MiB | {ours['peak_rss_bytes'] / MIB:.0f} | {peft['peak_rss_bytes'] / MIB:.0f} | "
-        f"{merge['peak_ratio']:.2f} | <= {merge['target_peak_ratio']} |",
-    ]
+        _row(
+            f"merged export, s ({merge['size']}, {merge['parameters']:,} parameters)", f"{ours['seconds']:.1f}",
+            f"{peft['seconds']:.1f} (merge_and_unload + save_pretrained)", f"{merge['time_ratio']:.2f}",
+        ),
+        _row(
+            "merged export peak RSS, MiB", f"{ours['peak_rss_bytes'] / MIB:.0f}",
+            f"{peft['peak_rss_bytes'] / MIB:.0f}",
+            f"{merge['peak_ratio']:.2f}", f"<= {merge['target_peak_ratio']}",
+        ),
+    ]  # fmt: skip
 
 
 def _scaling_rows(scaling: dict) -> list[str]:
