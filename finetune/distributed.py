@@ -316,12 +316,11 @@ class PreemptionSignals:
             signal.raise_signal(signum)
         self.received = True
 
-    def requested(self, accelerator: Accelerator) -> bool:
-        """True on every rank if any rank received a signal: all ranks must stop at the same step."""
-        if not self.enabled:
-            return False
-        flag = torch.tensor(float(self.received), device=accelerator.device)
-        return accelerator.reduce(flag, "sum").item() > 0
+    @property
+    def flag(self) -> float:
+        """1.0 if this process received a signal: summed over processes with the step's loss (`train_step`),
+        so that all of them stop at the same step without a collective of its own."""
+        return float(self.enabled and self.received)
 
 
 def main_process_first(accelerator: Accelerator, build: Callable[[], T]) -> T:

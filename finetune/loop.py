@@ -95,6 +95,8 @@ class StepResult:
     num_target_tokens: int
     model_flops: float
     """Of every process's micro-batches (finetune.flops), for MFU."""
+    stop_requested: bool = False
+    """Some process was asked to stop (its `stop_flag` was set): every process sees the same."""
 
 
 @dataclass
@@ -300,7 +302,7 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
             lr = run.scheduler.get_last_lr()[0]  # the rate this step's update uses
             result = train_step(
                 run.model, run.optimizer, micro_batches, accelerator, recipe.optim.max_grad_norm, step, probe,
-                loss_path=run.loss_path, flops=flops,
+                loss_path=run.loss_path, flops=flops, stop_flag=preemption.flag,
             )  # fmt: skip
             run.scheduler.step()
             if probe is not None:
@@ -330,7 +332,7 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
             eval_due = recipe.train.eval_every_steps and step % recipe.train.eval_every_steps == 0
             if run.eval_loader is not None and (eval_due or last_step):
                 metrics.log(step, {"eval_loss": evaluate(run.model, run.eval_loader, accelerator, run.loss_path)})
-            stop = preemption.requested(accelerator)
+            stop = result.stop_requested  # a signal during this step's update or evaluation stops at the next
             if (save_every and (step % save_every == 0 or stop)) or (save_last and last_step):
                 state = TrainerState(
                     step,
@@ -387,8 +389,10 @@ def train_step(
     *,
     loss_path: LossPath,
     flops: ModelFlops | None = None,
+    stop_flag: float = 0.0,
 ) -> StepResult:
-    """One optimizer step over this process's micro-batches; returns the global loss per target token."""
+    """One optimizer step over this process's micro-batches; returns the global loss per target token, and
+    whether any process set `stop_flag` (reduced with the loss: no collective of its own)."""
     counts = [
         sum((b["target_ids"] != IGNORE).sum() for b in micro_batches),
         sum(b["num_tokens"] for b in micro_batches),
@@ -411,7 +415,9 @@ def train_step(
                 summed = batch_loss(model, batch, loss_path).total
             accelerator.backward(summed * scale)
         loss_sum += summed.detach()
-    loss = accelerator.reduce(loss_sum, "sum").item() / max(num_targets, 1)
+    flag = torch.tensor(stop_flag, device=accelerator.device)
+    summed_loss, stops = accelerator.reduce(torch.stack([loss_sum, flag]), "sum").tolist()
+    loss = summed_loss / max(num_targets, 1)
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
     grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -423,7 +429,7 @@ def train_step(
     if probe is not None:
         probe.measure_update(optimizer)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, grad_norm, int(num_tokens), int(num_targets), step_flops)
+    return StepResult(loss, grad_norm, int(num_tokens), int(num_targets), step_flops, stops > 0)
 
 
 def _accumulation_windows(
