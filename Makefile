@@ -153,7 +153,7 @@ bench: $(STAMP) ## speed and memory vs hand-written FSDP2, Trainer, merge-weight
 	$(OFFLINE) $(PY) bench/run.py $(if $(REPEATS),--repeats $(REPEATS)) $(if $(ONLY),--only $(ONLY))
 
 bench-gpu: $(STAMP) ## Llama-3.2-1B shape, bf16, seq 2048, FSDP2 on all GPUs: tokens/s, MFU, peak memory
-	$(OFFLINE) $(PY) bench/gpu.py
+	$(OFFLINE) $(PY) bench/gpu.py $(if $(PROFILE),--profile $(PROFILE))
 
 test: lint ## lint, then the test suite (CPU only; multi-process tests use 2 processes over gloo)
 	$(OFFLINE) $(PY) -m pytest

@@ -1,6 +1,6 @@
 """`make bench-gpu`: finetune on the GPUs of this machine, Llama-3.2-1B shape, bf16, sequence 2048.
 
-    python bench/gpu.py [--quick] [--steps 30] [--micro-batch 4] [--only TEXT ...]
+    python bench/gpu.py [--quick] [--steps 30] [--micro-batch 4] [--only TEXT ...] [--profile FIRST,LAST]
 
 The model has Llama-3.2-1B's architecture (recipes/llama/configs/Llama-3.2-1B-Instruct/config.json)
 and random weights, so nothing is downloaded; the data is synthetic texts of varied length, packed
@@ -11,6 +11,9 @@ policy, regional compilation; then varlen and compile together. Reported per GPU
 (finetune.flops: 6 N per token + 6 L d_attn n^2 per sample of n tokens, over the device's dense bf16
 peak) and the step-1 peak memory. Results: bench/results/<date>-<commit>-gpu.json and .md, whose table is
 what docs/benchmarks.md quotes. `--quick` runs a tiny model on 2 CPU processes (what the tests run).
+`--profile 10,12` also records those steps of every variant with the torch profiler
+(`train.profile_steps`): rank 0's operator table lands beside the results as
+<stem>-profile-<variant>.txt, its trace stays under --work.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def main() -> None:
     parser.add_argument("--only", action="append", help="run the variants whose name contains this (repeatable)")
     parser.add_argument("--work", default=str(REPO / "outputs" / "bench-gpu"))
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--profile", help="FIRST,LAST: steps to record with the torch profiler (train.profile_steps)")
     args = parser.parse_args()
     import torch
 
@@ -89,6 +93,9 @@ def main() -> None:
     stem = out / f"{results['date']}-{results['commit']}-gpu{'-quick' if args.quick else ''}"
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
     stem.with_suffix(".md").write_text(markdown(results))
+    for row in rows:
+        if "profile" in row:
+            Path(f"{stem}-profile-{_slug(row['variant'])}.txt").write_text(row["profile"])
     print(markdown(results))
 
 
@@ -137,7 +144,7 @@ def measure(
     name: str, launch_args: list[str], recipe: dict[str, str], model: Path, data: Path, work: Path, seq: int,
     gpus: int, args,
 ) -> dict:  # fmt: skip
-    out = work / "runs" / name.replace(" ", "-").replace(",", "")
+    out = work / "runs" / _slug(name)
     overrides = {
         "model.name_or_path": model,
         "data.train_path": data,
@@ -153,6 +160,7 @@ def measure(
         "output.overwrite": "true",
         "output.trackers": "[]",
         "output.export": "false",
+        **({"train.profile_steps": f"[{args.profile}]"} if args.profile else {}),
         **recipe,
     }
     command = [
@@ -176,7 +184,12 @@ def measure(
         "step_seconds": statistics.median(_steady([e["step_seconds"] for e in steps])),
         "peak_memory_bytes": memory["memory/rank0/step_peak"],
         "loss_first_last": [steps[0]["loss"], steps[-1]["loss"]],
+        **({"profile": (out / "profile" / "rank0.txt").read_text()} if args.profile else {}),
     }
+
+
+def _slug(variant: str) -> str:
+    return variant.replace(" ", "-").replace(",", "")
 
 
 def markdown(results: dict) -> str:

@@ -183,6 +183,10 @@ class TrainConfig:
     estimates to fit the GPU's memory (none on CPU, said in the log). Or set
     `fsdp_activation_checkpointing` (full) in the accelerate config instead (not both)."""
 
+    profile_steps: list[int] = field(default_factory=list)
+    """[first, last]: record these optimizer steps (inclusive) with the torch profiler, a trace and a table per
+    process under `<output.dir>/profile/` (`finetune.profile`); [] records nothing."""
+
     loss: Literal["chunked", "full_logits"] = "chunked"
     """`chunked`: logits only at positions with a target, projected and scored a chunk of rows at a
     time, never the full fp32 logits (models whose output layer is not a plain projection fall back,
@@ -312,6 +316,9 @@ class RecipeConfig:
             errors.append(f"optim.max_grad_norm must be >= 0 (0 disables clipping), got {optim.max_grad_norm}")
         if not 0.0 <= optim.min_lr_ratio <= 1.0:
             errors.append(f"optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio}")
+        steps = self.train.profile_steps
+        if steps and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
+            errors.append(f"train.profile_steps must be [first, last] with 1 <= first <= last, got {steps}")
         if self.checkpoint.save_every_steps < 0:
             errors.append(f"checkpoint.save_every_steps must be >= 0, got {self.checkpoint.save_every_steps}")
         if self.checkpoint.keep_last < 1:

@@ -77,6 +77,7 @@ from finetune.model import (
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.outputs import check_output_dir, claim_output_dir
 from finetune.plan import cheapest_policy, estimate, model_shape, planned_model
+from finetune.profile import StepProfiler
 from finetune.recompute import Policy
 from finetune.wrap import format_wrap_plan, fsdp_units, reshard, validate_wrap_policy
 
@@ -293,9 +294,12 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
     windows = _accumulation_windows(run.train_loader, accumulation, start, rows_per_micro_batch, accelerator)
     probe: MemoryProbe | None = MemoryProbe(run.model, accelerator)  # measures this run's first step
     pending: PendingCheckpoint | None = None  # an asynchronous save still writing
+    profiler = StepProfiler(recipe.train.profile_steps, run.output_dir / "profile", accelerator.process_index,
+                            accelerator.device)  # fmt: skip
     metrics.advance(start.step)
     with PreemptionSignals(enabled=save_every > 0) as preemption:
         for step in range(start.step + 1, run.max_steps + 1):
+            profiler.begin(step)  # data loading, the step and its logging; evaluation and saves are not
             epoch, rows_into_epoch, micro_batches = next(windows)
             for i, batch in enumerate(micro_batches):
                 data_fingerprint += batch["input_ids"].long().sum() * (step * accumulation + i)
@@ -329,6 +333,8 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
                     values["mfu"] = flops_since_log / elapsed / (peak * accelerator.num_processes)
                 metrics.log(step, values)
                 last_log_time, tokens_since_log, steps_since_log, flops_since_log = time.perf_counter(), 0, 0, 0.0
+            if (profiled := profiler.end(step)) is not None:
+                accelerator.print(profiled)
             eval_due = recipe.train.eval_every_steps and step % recipe.train.eval_every_steps == 0
             if run.eval_loader is not None and (eval_due or last_step):
                 metrics.log(step, {"eval_loss": evaluate(run.model, run.eval_loader, accelerator, run.loss_path)})

@@ -25,8 +25,13 @@ LOCK = ".finetune.lock"
 # Everything a run writes into output.dir. A fresh run removes these and nothing else, so a run
 # that fails after starting never leaves an earlier run's results beside its own recipe.
 RUN_FILES = ("recipe.yaml", "metrics.jsonl", "final_logits.safetensors")
-RUN_FOLDERS = ("checkpoints", "ranks", "final", "final.partial", "final.previous", "final_merged", "finetune")
-"""`finetune` is where accelerate's trackers (tensorboard) write, under the project name."""
+RUN_FOLDERS = (
+    "checkpoints", "ranks", "final", "final.partial", "final.previous", "final_merged", "finetune", "profile"
+)  # fmt: skip
+"""`finetune` is where accelerate's trackers (tensorboard) write, under the project name; `profile` is
+`train.profile_steps`' traces."""
+KEPT_ON_RESUME = ("checkpoints", "profile")
+"""What a resumed run keeps: its checkpoints, and the traces of steps before the resume."""
 
 
 def check_output_dir(output_dir: Path, *, overwrite: bool, resume_from: Path | None, max_steps: int | None) -> None:
@@ -75,7 +80,7 @@ def claim_output_dir(output_dir: Path, resumed_step: int | None) -> None:
     """
     output_dir.mkdir(parents=True, exist_ok=True)
     for name in RUN_FOLDERS:
-        if resumed_step is None or name != "checkpoints":
+        if resumed_step is None or name not in KEPT_ON_RESUME:
             shutil.rmtree(output_dir / name, ignore_errors=True)
     for name in RUN_FILES:
         if resumed_step is None or name != "metrics.jsonl":

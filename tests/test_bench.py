@@ -83,12 +83,15 @@ def test_make_bench_reruns_one_comparison_alone(tmp_path):
 
 
 def test_bench_gpu_runs_on_cpu_in_quick_mode(tmp_path):
-    results = run_script("gpu.py", tmp_path)
+    results = run_script("gpu.py", tmp_path, "--profile", "3,4")
     assert [row["variant"] for row in results["rows"]] == [
         "full logits, no checkpointing", "chunked loss, no checkpointing", "chunked loss, varlen attention",
         "chunked loss, selective checkpointing", "chunked loss, full checkpointing",
     ]  # fmt: skip
     assert all(positive(row["tokens_per_second_per_gpu"]) and row["mfu"] is None for row in results["rows"])
+    # --profile: every variant's rank-0 operator table, in the results and beside them.
+    assert all("aten::mm" in row["profile"] for row in results["rows"])
+    assert sum(name.endswith(".txt") and "-profile-chunked-loss" in name for name in results["_files"]) == 4
 
 
 def test_model_flops_per_token_follow_the_stated_formula():

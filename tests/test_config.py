@@ -96,6 +96,8 @@ def test_missing_required_keys(tmp_path):
         (["optim.weight_decay=-0.1"], "optim.weight_decay must be >= 0"),
         (["output.dir=' '"], "output.dir is empty; name a folder for this run"),
         (["output.trackers=[tensorbord]"], "output.trackers names tensorbord; use any of tensorboard, wandb"),
+        (["train.profile_steps=[5]"], r"profile_steps must be \[first, last\] with 1 <= first <= last, got \[5\]"),
+        (["train.profile_steps=[4,2]"], r"train.profile_steps must be \[first, last\]"),
     ],
 )
 def test_cross_field_checks_name_the_fix(tmp_path, overrides, message):

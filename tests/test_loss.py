@@ -5,6 +5,7 @@ packed rows of several architectures; and the models it must not take."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -100,7 +101,8 @@ def test_under_fsdp2_the_chunked_loss_trains_as_the_reference(fsdp2_run, demo_as
     the loss runs inside the model's forward): the default chunked loss and train.loss=full_logits give
     the same training and evaluation losses, and the log says which ran. The reference run also takes
     the varlen attention path (one launch for two levers: it differs from the default run in both, so an
-    error in either shows), and asks for `auto` activation checkpointing, which is none on CPU."""
+    error in either shows), asks for `auto` activation checkpointing, which is none on CPU, and records
+    steps 3-4 with the profiler (which must not change what is computed)."""
     from conftest import Run, launch, recipe_overrides
 
     output_dir = tmp_path / "out"
@@ -113,11 +115,21 @@ def test_under_fsdp2_the_chunked_loss_trains_as_the_reference(fsdp2_run, demo_as
                 "train.loss": "full_logits",
                 "model.attn_implementation": "varlen",
                 "train.activation_checkpointing": "auto",
+                "train.profile_steps": "[3,4]",
             },
         ),
     )
     assert result.returncode == 0, result.stderr[-4000:]
     reference = Run(result, output_dir)
+    assert f"profile: steps 3-4 recorded to {output_dir / 'profile'}" in reference.log
+    for rank in (0, 1):  # every process's trace holds the two steps, spans named by the run's step numbers
+        trace = json.loads((output_dir / "profile" / f"rank{rank}.trace.json").read_text())
+        spans = {event["name"] for event in trace["traceEvents"] if event.get("name", "").startswith("step ")}
+        assert spans == {"step 3", "step 4"}
+        assert "aten::mm" in (output_dir / "profile" / f"rank{rank}.txt").read_text()
+    assert sorted(p.name for p in (output_dir / "profile").iterdir()) == [
+        "rank0.trace.json", "rank0.txt", "rank1.trace.json", "rank1.txt"
+    ]  # fmt: skip
     assert "loss: chunked (logits at target positions only" in fsdp2_run.log
     assert "loss: full logits in fp32 (train.loss=full_logits)" in reference.log
     assert "attention: sdpa (packed rows: block-causal mask" in fsdp2_run.log
