@@ -294,8 +294,8 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
     windows = _accumulation_windows(run.train_loader, accumulation, start, rows_per_micro_batch, accelerator)
     probe: MemoryProbe | None = MemoryProbe(run.model, accelerator)  # measures this run's first step
     pending: PendingCheckpoint | None = None  # an asynchronous save still writing
-    profiler = StepProfiler(recipe.train.profile_steps, run.output_dir / "profile", accelerator.process_index,
-                            accelerator.device)  # fmt: skip
+    profiler = StepProfiler(recipe.train.profile_steps, run.max_steps, run.output_dir / "profile",
+                            accelerator.process_index, accelerator.device)  # fmt: skip
     metrics.advance(start.step)
     with PreemptionSignals(enabled=save_every > 0) as preemption:
         for step in range(start.step + 1, run.max_steps + 1):
@@ -364,6 +364,8 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
             if stop and not last_step:
                 if pending is not None:
                     finish_checkpoint(accelerator, pending)
+                if (profiled := profiler.end(step, stopping=True)) is not None:
+                    accelerator.print(profiled)
                 return f"{data_fingerprint.item():x}", step
     if pending is not None:  # the last save completes before export reads it
         finish_checkpoint(accelerator, pending)

@@ -22,11 +22,13 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 
 class StepProfiler:
-    """Records the steps `first..last` (inclusive; none if `steps` is empty): `begin(step)` before a
-    step's work, `end(step)` after it; `end` returns the log line once the files are written."""
+    """Records the steps `first..last` (inclusive; none if `steps` is empty), up to the run's `final_step`:
+    `begin(step)` before a step's work, `end(step)` after it; `end` returns the log line once the files
+    are written. `end(step, stopping=True)` writes what was recorded of a run that stops early."""
 
-    def __init__(self, steps: list[int], out_dir: Path, rank: int, device: torch.device):
-        self.first, self.last = steps if steps else (0, -1)
+    def __init__(self, steps: list[int], final_step: int, out_dir: Path, rank: int, device: torch.device):
+        first, last = steps if steps else (0, -1)
+        self.first, self.last = first, min(last, final_step)
         self.out_dir, self.rank, self.device = out_dir, rank, device
         self.profiler: profile | None = None
         self.span: record_function | None = None
@@ -40,12 +42,13 @@ class StepProfiler:
             self.span = record_function(f"step {step}")
             self.span.__enter__()
 
-    def end(self, step: int) -> str | None:
+    def end(self, step: int, stopping: bool = False) -> str | None:
         if self.span is not None:
             self.span.__exit__(None, None, None)
             self.span = None
-        if self.profiler is None or step != self.last:
+        if self.profiler is None or not (step == self.last or stopping):
             return None
+        self.last = step
         self.profiler.__exit__(None, None, None)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         trace = self.out_dir / f"rank{self.rank}.trace.json"
