@@ -529,14 +529,14 @@ def _spans(
     """The trained span of each reply, from its assistant header through its turn's end marker, and
     the spans of the reasoning inside them."""
     # The template's text before region j runs from the end of region j - 1 (or 0) to its start.
-    starts, ends = sorted(start for start, _, _ in regions.values()), sorted(end for _, end, _ in regions.values())
+    bounds = {j: (start, end) for start, end, j in regions.values()}
     spans, reasoning = [], []
     for k in range(replies):
         content_start, content_end, j = regions["reply", k]
         thought = regions.get(("reasoning", k))
         first_start, _, first = thought if thought is not None and thought[2] < j else (content_start, content_end, j)
-        start = _reply_start(text, ends[first - 1] if first else 0, first_start, shape)
-        following_end = starts[j + 1] if j + 1 < len(starts) else len(text)
+        start = _reply_start(text, bounds[first - 1][1] if first else 0, first_start, shape)
+        following_end = bounds[j + 1][0] if j + 1 in bounds else len(text)
         marker = text.find(shape.end_marker, content_end, following_end) if shape.end_marker else -1
         spans.append((start, marker + len(shape.end_marker) if marker >= 0 else content_end))
         if thought is not None:
