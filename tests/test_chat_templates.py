@@ -380,10 +380,10 @@ def test_the_skeleton_path_locates_replies_exactly_as_the_placeholder_rendering_
                 text = chat.render()
             except FinetuneError:  # gemma-2 refuses system roles
                 continue
-            [(skeleton, values)] = _skeletons([chat])
-            replies = [i for i, message in enumerate(chat.messages) if message["role"] == "assistant"]
+            [(skeleton, values)] = _skeletons([chat], template_shape(tokenizer))
+            replies = tuple(i for i, message in enumerate(chat.messages) if message["role"] == "assistant")
             for trained in (replies, replies[-1:]):
-                located = _filled_spans(skeleton, values, template_shape(tokenizer), trained, text)
+                located = _filled_spans(skeleton, values, trained, text)
                 if located is not None and trained == replies:
                     fast.add((family, name))
                 if located is not None:
@@ -402,7 +402,7 @@ def test_trained_tokens_are_found_from_character_spans_as_by_bisecting_every_off
     import bisect
     import random
 
-    from finetune.data.chat import _FirstToken
+    from finetune.data.chat import token_ranges
 
     tokenizer = family_tokenizer(base_tokenizer, "qwen-2.5")
     generator = random.Random(0)
@@ -414,8 +414,7 @@ def test_trained_tokens_are_found_from_character_spans_as_by_bisecting_every_off
         encoded = tokenizer([text], add_special_tokens=False, return_offsets_mapping=True)
         starts = [start for start, _ in encoded["offset_mapping"][0]]
         expected = [(bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)) for lo, hi in spans]
-        first_token = _FirstToken(encoded.encodings[0], len(starts), len(text))
-        assert first_token.ranges(spans) == expected, (text, spans)
+        assert token_ranges(encoded.encodings[0], spans, len(starts), len(text)) == expected, (text, spans)
 
 
 def test_sharegpt_turns_with_tool_calls_in_their_text(base_tokenizer):

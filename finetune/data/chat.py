@@ -14,10 +14,11 @@ import dataclasses
 import functools
 import itertools
 import json
+import operator
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
@@ -26,7 +27,11 @@ from finetune.errors import FinetuneError, first_line
 MultiTurn = Literal["full", "per_turn", "last"]
 
 
-@dataclass(frozen=True)
+# The per-sample records below are plain (not frozen) dataclasses: a frozen one's __init__ costs
+# three times as much, a cost paid for every sample of a dataset.
+
+
+@dataclass(slots=True)
 class RenderedChat:
     """One training sample of a conversation: its rendered text and the character spans trained."""
 
@@ -38,8 +43,10 @@ class RenderedChat:
     """The character spans of reasoning (think blocks' text) inside the replies."""
 
 
-@dataclass(frozen=True)
-class EncodedChat:
+@dataclass(slots=True)
+class EncodedSample:
+    """One sample's token ids and the tokens trained (chats here; prompt/completion and text alike)."""
+
     ids: list[int]
     ranges: list[tuple[int, int]]
     """The trained tokens, as sorted [first, last) ranges: the targets are built from them by slicing."""
@@ -70,18 +77,37 @@ def encode_chats(
 
 def encode_rendered(
     samples: list[RenderedChat], tokenizer: PreTrainedTokenizerBase, train_on_reasoning: bool = True
-) -> list[EncodedChat]:
+) -> list[EncodedSample]:
     """Tokenize the rendered texts in one call (the fast tokenizer is entered once per batch) and map the
     trained character spans to tokens through the encodings, so merges across turn boundaries cannot shift them."""
-    batch = tokenizer([s.text for s in samples], add_special_tokens=False, return_attention_mask=False)
     encoded = []
-    for n, (sample, ids) in enumerate(zip(samples, batch["input_ids"], strict=True)):
-        first_token = _FirstToken(batch.encodings[n], len(ids), len(sample.text))
-        ranges, reasoning = first_token.ranges(sample.spans), first_token.ranges(sample.reasoning)
-        if not train_on_reasoning:
-            ranges = _without(ranges, reasoning)
-        encoded.append(EncodedChat(ids, ranges, sample.expanded, sum(last - first for first, last in reasoning)))
+    for sample, encoding in zip(samples, encodings(tokenizer, [s.text for s in samples]), strict=True):
+        ids = encoding.ids
+        ranges = token_ranges(encoding, sample.spans, len(ids), len(sample.text))
+        reasoning_tokens = 0
+        if sample.reasoning:
+            reasoning = token_ranges(encoding, sample.reasoning, len(ids), len(sample.text))
+            reasoning_tokens = sum(last - first for first, last in reasoning)
+            ranges = ranges if train_on_reasoning else _without(ranges, reasoning)
+        encoded.append(EncodedSample(ids, ranges, sample.expanded, reasoning_tokens))
     return encoded
+
+
+def encodings(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[Any]:
+    """The fast tokenizer's encodings of `texts`, without the special tokens it adds around a text.
+
+    Asked of its `tokenizers` backend directly where the tokenizer's own call would change nothing on it
+    (no truncation or padding set, special tokens kept whole): that call also builds a dict of lists
+    per text that nothing here reads, a tenth of the time of tokenizing short chats."""
+    backend = tokenizer.backend_tokenizer
+    if (
+        backend.truncation is None
+        and backend.padding is None
+        and not backend.encode_special_tokens
+        and not getattr(tokenizer, "split_special_tokens", False)
+    ):
+        return backend.encode_batch(texts, add_special_tokens=False)
+    return tokenizer(texts, add_special_tokens=False, return_attention_mask=False).encodings
 
 
 def _without(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -98,35 +124,28 @@ def _without(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> lis
     return kept
 
 
-class _FirstToken:
-    """The tokens of a text whose first character lies in character spans, asked of the fast tokenizer's
-    encoding for the few characters that bound the spans (converting every token's offsets to Python
-    costs a third of the tokenization of long texts)."""
+def token_ranges(encoding: Any, spans: list[tuple[int, int]], tokens: int, characters: int) -> list[tuple[int, int]]:
+    """Each span [lo, hi) of characters of an encoded text (`tokens` long, of `characters`) as the range
+    [first, last) of the tokens that start in it. The fast tokenizer's encoding is asked about the few
+    characters that bound the spans: converting every token's offsets to Python costs a third of the
+    tokenization of long texts."""
+    return [(_first_token(encoding, lo, tokens, characters), _first_token(encoding, hi, tokens, characters))
+            for lo, hi in spans]  # fmt: skip
 
-    def __init__(self, encoding: Any, tokens: int, characters: int):
-        self.encoding, self.tokens, self.characters = encoding, tokens, characters
 
-    def ranges(self, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Each span [lo, hi) of characters as the range [first, last) of the tokens that start in it."""
-        return [(self.at_or_after(lo), self.at_or_after(hi)) for lo, hi in spans]
-
-    def at_or_after(self, char: int) -> int:
-        """The first token that starts at or after `char` (the number of tokens if none does)."""
-        token, position = None, char
-        while token is None and position < self.characters:  # characters no token covers lead to the next
-            token = self.encoding.char_to_token(position)
-            position += 1
-        token = self.tokens if token is None else token
-        # A token can start before `char` (a merge across it), and several can share a character (byte pieces).
-        while token > 0 and self.start(token - 1) >= char:
-            token -= 1
-        while token < self.tokens and self.start(token) < char:
-            token += 1
-        return token
-
-    def start(self, token: int) -> int:
-        chars = self.encoding.token_to_chars(token)
-        return chars[0] if chars is not None else 0
+def _first_token(encoding: Any, char: int, tokens: int, characters: int) -> int:
+    """The first token that starts at or after `char` (`tokens` if none does)."""
+    token, position = None, char
+    while token is None and position < characters:  # characters no token covers lead to the next
+        token = encoding.char_to_token(position)
+        position += 1
+    token = tokens if token is None else token
+    # A token can start before `char` (a merge across it), and several can share a character (byte pieces).
+    while token > 0 and (encoding.token_to_chars(token - 1) or (0,))[0] >= char:
+        token -= 1
+    while token < tokens and (encoding.token_to_chars(token) or (0,))[0] < char:
+        token += 1
+    return token
 
 
 def render_chats(
@@ -157,23 +176,28 @@ def render_chats(
     knows_reasoning = "reasoning_content" in (tokenizer.chat_template or "")
     chats = []
     for messages, schemas, index in zip(conversations, tools, indices, strict=True):
-        messages = chat_messages(messages, index)
+        roles = _text_roles(messages)
+        if roles is None:
+            messages = chat_messages(messages, index)
         if knows_reasoning:
-            messages = [_reasoning_apart(message) for message in messages]
-        chats.append(_Chat(tokenizer, messages, chat_tools(schemas, index), index))
+            apart = [_reasoning_apart(message) for message in messages]
+            if any(map(operator.is_not, apart, messages)):
+                messages, roles = apart, None
+        schemas = chat_tools(schemas, index) if schemas is not None else None
+        chats.append(_Chat(tokenizer, messages, schemas, index, roles if schemas is None else None))
     texts = _render_all(chats)
     if not completion_only:
         return [RenderedChat(text, [(0, len(text))]) for text in texts]
     rendered = []
-    for chat, text, (skeleton, values) in zip(chats, texts, _skeletons(chats), strict=True):
-        replies = [i for i, message in enumerate(chat.messages) if message["role"] == "assistant"]
+    for chat, text, (skeleton, values) in zip(chats, texts, _skeletons(chats, shape), strict=True):
+        replies = skeleton.replies if skeleton is not None else _replies(chat.messages)
         if not replies:
             raise FinetuneError(
                 f"sample {chat.index} has no assistant message to train on; remove it, or set "
                 "data.completion_only_loss=false to train on all of its text"
             )
         trained = replies[-1:] if multi_turn == "last" else replies
-        located = _filled_spans(skeleton, values, shape, trained, text) if skeleton is not None else None
+        located = _filled_spans(skeleton, values, trained, text) if skeleton is not None else None
         located = located or _reply_spans(chat, shape, trained, text)
         if located is not None:
             rendered.append(RenderedChat(text, located[0], reasoning=located[1]))
@@ -186,6 +210,11 @@ def render_chats(
                 "rendered for generation) or data.multi_turn=last (its last reply only)"
             )
     return rendered
+
+
+def _replies(messages: list[dict[str, Any]]) -> tuple[int, ...]:
+    """The positions of the assistant messages."""
+    return tuple(i for i, message in enumerate(messages) if message["role"] == "assistant")
 
 
 def _render_all(chats: list[_Chat]) -> list[str]:
@@ -242,7 +271,7 @@ def _reasoning_apart(message: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Chat:
     """One checked conversation, its tools, and its sample index: what every rendering of it needs."""
 
@@ -250,6 +279,8 @@ class _Chat:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     index: int
+    roles: tuple[str, ...] | None = None
+    """The roles, when the messages are only roles and texts and there are no tools (`_text_roles`)."""
 
     def render(self, messages: list[dict[str, Any]] | None = None, generation: bool = False) -> str:
         try:
@@ -320,6 +351,29 @@ def read_chat_template(value: str) -> str:
     except Exception as exc:  # jinja2.TemplateSyntaxError, with the line
         raise FinetuneError(f"data.chat_template is not a valid Jinja template ({first_line(exc)}); fix it") from None
     return value
+
+
+_ROLE, _CONTENT = operator.itemgetter("role"), operator.itemgetter("content")
+
+
+def _text_roles(messages: Any) -> tuple[str, ...] | None:
+    """The roles of a conversation whose messages are each a role (not a tool's) and a non-empty text, and
+    nothing else, as most data is: `chat_messages` would return it as it is, and its roles are all a
+    skeleton needs to know of it. None for any other conversation."""
+    if type(messages) is not list or not messages or not all(map(_is_text_message, messages)):
+        return None
+    return tuple(map(_ROLE, messages))
+
+
+def _is_text_message(message: Any) -> bool:
+    return (
+        type(message) is dict
+        and len(message) == 2
+        and type(message.get("role")) is str
+        and type(message.get("content")) is str
+        and message["content"] != ""
+        and message["role"] != "tool"
+    )
 
 
 def chat_messages(messages: Any, index: int) -> list[dict[str, Any]]:
@@ -546,25 +600,26 @@ def _spans(
     return spans, reasoning
 
 
-@dataclass(frozen=True)
 class _Skeleton:
     """A conversation rendered with a placeholder in place of every message's content (and reasoning):
     the template's text, which conversations of the same structure share, as pieces alternating
     between template text and placeholder names (c<i> the content of message i, r<i> its reasoning)."""
 
-    pieces: list[str]
-    plans: dict[tuple[int, ...], list[tuple[int, str, int]] | None] = dataclasses.field(
-        default_factory=dict, compare=False, repr=False
-    )
+    def __init__(self, pieces: list[str], replies: tuple[int, ...], shape: TemplateShape):
+        self.pieces, self.names, self.replies, self.shape = pieces, pieces[1::2], replies, shape
+        """`replies`: the positions of the assistant messages, as in every conversation of this structure."""
+        self._placed: dict[tuple[int, ...], tuple[list[tuple[int, str, int]] | None, list[_Laid] | None]] = {}
 
-    def plan(self, trained: tuple[int, ...]) -> list[tuple[int, str, int]] | None:
+    def placed(self, trained: tuple[int, ...]) -> tuple[list[tuple[int, str, int]] | None, list[_Laid] | None]:
         """Where the replies `trained` (message positions) stand among the pieces, the same for every
-        conversation of this skeleton: (piece number, "reply" or "reasoning", reply) in the order
-        written, or None if a reply's content is not there exactly once, its reasoning more than
-        once, or the replies are out of order."""
-        if trained not in self.plans:
-            self.plans[trained] = self._plan(trained)
-        return self.plans[trained]
+        conversation of this skeleton: their plan, (piece number, "reply" or "reasoning", reply) in
+        the order written, or None if a reply's content is not there exactly once, its reasoning more
+        than once, or the replies are out of order; and their layout (`_layout`)."""
+        placed = self._placed.get(trained)
+        if placed is None:
+            plan = self._plan(trained)
+            placed = self._placed[trained] = (plan, self._layout(plan, len(trained)) if plan is not None else None)
+        return placed
 
     def _plan(self, trained: tuple[int, ...]) -> list[tuple[int, str, int]] | None:
         where: dict[str, list[int]] = {}
@@ -579,28 +634,67 @@ class _Skeleton:
         found.sort()
         return found if [k for _, kind, k in found if kind == "reply"] == list(range(len(trained))) else None
 
+    def _layout(self, plan: list[tuple[int, str, int]], replies: int) -> list[_Laid] | None:
+        """Where each reply's span starts and ends relative to the pieces, when the template text right
+        before it holds its header and the text right after it its end marker: then `_spans` finds them
+        there in every conversation of this skeleton (a match further out is never the last header or
+        the first marker), and the spans are sums of piece lengths. None where a search would have to
+        look beyond those pieces, into the texts."""
+        at = {(kind, k): n for n, kind, k in plan}
+        laid = []
+        for k in range(replies):
+            content, thought = at["reply", k], at.get(("reasoning", k), -1)
+            first = thought if 0 <= thought < content else content
+            header = _header_end(self.pieces[first - 1], self.shape)
+            marker = self.pieces[content + 1].find(self.shape.end_marker) if self.shape.end_marker else 0
+            if header is None or marker < 0:
+                return None
+            laid.append(_Laid(first - 1, header, content + 1, marker + len(self.shape.end_marker), content, thought))
+        return laid
+
+
+class _Laid(NamedTuple):
+    """A trained reply in a skeleton's pieces: its span runs from `start` characters into piece `start_piece`
+    to `end` characters into piece `end_piece`; its content is piece `content`, its reasoning piece
+    `reasoning` (-1 if the template wrote none)."""
+
+    start_piece: int
+    start: int
+    end_piece: int
+    end: int
+    content: int
+    reasoning: int
+
+
+def _header_end(template_text: str, shape: TemplateShape) -> int | None:
+    """Where `_reply_start` would find a reply's start inside the template text before it, or None where it
+    would search further back (the first header it tries is not in that text)."""
+    for header in (shape.reply_prefix, shape.generation_prompt):
+        if header:
+            at = template_text.rfind(header)
+            return at + len(header) if at >= 0 else None
+    return len(template_text)
+
 
 _PLACEHOLDER = re.compile("\ue000([cr][0-9]+)\ue001")
+_CONTENTS = tuple(f"c{i}" for i in range(256))
+"""Placeholder names of the contents of a conversation's messages, in order."""
 
 
-def _skeletons(chats: list[_Chat]) -> list[tuple[_Skeleton | None, dict[str, str]]]:
+def _skeletons(chats: list[_Chat], shape: TemplateShape) -> list[tuple[_Skeleton | None, dict[str, str]]]:
     """The skeleton of each conversation, rendered once per distinct structure in the batch (roles,
     tool calls, tools: everything but the texts), so that locating replies costs no second rendering
     of each conversation (None where the template refuses the placeholders), and the texts that fill it."""
     keys: list[Any] = []
     fillings, structures = [], {}
     for chat in chats:
-        if chat.tools is None and all(
-            len(m) == 2 and type(m.get("content")) is str and m["content"] for m in chat.messages
-        ):
-            # Role and text only, as most data is: the roles are the structure (what `_placeholders` would give).
-            key: Any = tuple(m["role"] for m in chat.messages)
-            values = {f"c{i}": m["content"] for i, m in enumerate(chat.messages)}
+        if chat.roles is not None and len(chat.roles) <= len(_CONTENTS):
+            # Roles and texts only: the roles are the structure (what `_placeholders` would give).
+            key: Any = chat.roles
+            values = dict(zip(_CONTENTS, map(_CONTENT, chat.messages)))  # noqa: B905 (_CONTENTS is the longer)
             if key not in structures:
-                structures[key] = (
-                    [{"role": role, "content": _SENTINEL.format(f"c{i}")} for i, role in enumerate(key)],
-                    None,
-                )
+                messages = [{"role": role, "content": _SENTINEL.format(f"c{i}")} for i, role in enumerate(key)]
+                structures[key] = (messages, None)
         else:
             messages, values = [], {}
             for i, message in enumerate(chat.messages):
@@ -613,8 +707,8 @@ def _skeletons(chats: list[_Chat]) -> list[tuple[_Skeleton | None, dict[str, str
         fillings.append(values)
     rendered = _render_batches(list(structures.values()), chats[0].tokenizer) if chats else []
     skeletons = {
-        key: _Skeleton(_PLACEHOLDER.split(text)) if text is not None else None
-        for key, text in zip(structures, rendered, strict=True)
+        key: _Skeleton(_PLACEHOLDER.split(text), _replies(messages), shape) if text is not None else None
+        for (key, (messages, _)), text in zip(structures.items(), rendered, strict=True)
     }
     return [(skeletons[key], values) for key, values in zip(keys, fillings, strict=True)]
 
@@ -632,22 +726,31 @@ def _placeholders(message: dict[str, Any], i: int) -> tuple[dict[str, Any], dict
 
 
 def _filled_spans(
-    skeleton: _Skeleton, values: dict[str, str], shape: TemplateShape, trained: list[int], text: str
+    skeleton: _Skeleton, values: dict[str, str], trained: tuple[int, ...], text: str
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
     """The replies' spans when the skeleton filled with the conversation's texts (`values`) is exactly
     the rendered text (the template copies texts as they are: no trimming, no branching on them), each
     placeholder then standing where its text lies; None otherwise, to locate them by `_reply_spans`."""
-    parts = list(skeleton.pieces)
+    parts = skeleton.pieces.copy()
     try:
-        parts[1::2] = [values[name] for name in skeleton.pieces[1::2]]
+        parts[1::2] = [values[name] for name in skeleton.names]
     except KeyError:  # a placeholder-like text the data itself carried into the skeleton
         return None
-    plan = skeleton.plan(tuple(trained))
+    plan, layout = skeleton.placed(trained)
     if plan is None or "".join(parts) != text:
         return None
-    ends = list(itertools.accumulate(map(len, parts)))  # part n of the text ends at ends[n]
-    regions: _Regions = {(kind, k): (ends[n - 1], ends[n], j) for j, (n, kind, k) in enumerate(plan)}
-    return _spans(text, regions, shape, len(trained))
+    starts = list(itertools.accumulate(map(len, parts), initial=0))  # part n of the text starts at starts[n]
+    if layout is None:
+        regions: _Regions = {(kind, k): (starts[n], starts[n + 1], j) for j, (n, kind, k) in enumerate(plan)}
+        return _spans(text, regions, skeleton.shape, len(trained))
+    spans = [(starts[laid.start_piece] + laid.start, starts[laid.end_piece] + laid.end) for laid in layout]
+    reasoning, thinks = [], "<think>" in text
+    for laid in layout:
+        if laid.reasoning >= 0:
+            reasoning.append((starts[laid.reasoning], starts[laid.reasoning + 1]))
+        elif thinks and (think := _think_block(text, starts[laid.content], starts[laid.content + 1])):
+            reasoning.append(think)
+    return spans, reasoning
 
 
 def _think_block(text: str, start: int, end: int) -> tuple[int, int] | None:

@@ -14,7 +14,7 @@ import datasets
 from transformers import PreTrainedTokenizerBase
 
 from finetune.config import DataConfig, SourceConfig
-from finetune.data.chat import MultiTurn, describe, encode_rendered, render_chats
+from finetune.data.chat import EncodedSample, MultiTurn, describe, encode_rendered, render_chats
 from finetune.errors import FinetuneError
 
 IGNORE = -100
@@ -71,36 +71,32 @@ def _tokenize_batch(
 ) -> dict[str, list]:
     if fmt == "chat":
         rendered = render_chats(batch["messages"], tokenizer, completion_only, indices, multi_turn, batch.get("tools"))
-        encoded = [
-            (chat.ids, chat.ranges, chat.expanded, chat.reasoning_tokens)
-            for chat in encode_rendered(rendered, tokenizer, train_on_reasoning)
-        ]
+        encoded = encode_rendered(rendered, tokenizer, train_on_reasoning)
     elif fmt == "prompt_completion":
         prompts, completions = _texts(batch, "prompt", indices), _texts(batch, "completion", indices)
         pairs = encode_prompt_completions(prompts, completions, tokenizer, completion_only)
-        encoded = [(ids, _runs(trained), False, 0) for ids, trained in pairs]
+        encoded = [EncodedSample(ids, _runs(trained), False, 0) for ids, trained in pairs]
     else:
-        encoded = [
-            (ids, _runs(trained), False, 0) for ids, trained in encode_texts(_texts(batch, "text", indices), tokenizer)
-        ]
-    out: dict[str, list] = {
-        "input_ids": [], "target_ids": [], "truncated": [], "num_targets": [], "expanded": [], "num_reasoning": [],
-    }  # fmt: skip
-    for ids, ranges, expanded, reasoning in encoded:
+        texts = _texts(batch, "text", indices)
+        encoded = [EncodedSample(ids, _runs(trained), False, 0) for ids, trained in encode_texts(texts, tokenizer)]
+    input_ids, target_ids, truncated, num_targets = [], [], [], []
+    for sample in encoded:
+        ids = sample.ids
         # target_ids[i] is the token after input_ids[i] when that token is trained; the last has no successor.
         targets = [IGNORE] * len(ids)
-        for first, last in ranges:
+        for first, last in sample.ranges:
             first = max(first, 1)  # the first token is nobody's target
             targets[first - 1 : last - 1] = ids[first:last]
-        out["expanded"].append(expanded)
-        out["num_reasoning"].append(reasoning)
-        out["truncated"].append(len(ids) > max_length)
+        truncated.append(len(ids) > max_length)
         if len(ids) > max_length:
             ids, targets = ids[:max_length], targets[: max_length - 1] + [IGNORE]
-        out["input_ids"].append(ids)
-        out["target_ids"].append(targets)
-        out["num_targets"].append(len(targets) - targets.count(IGNORE))
-    return out
+        input_ids.append(ids)
+        target_ids.append(targets)
+        num_targets.append(len(targets) - targets.count(IGNORE))
+    return {
+        "input_ids": input_ids, "target_ids": target_ids, "truncated": truncated, "num_targets": num_targets,
+        "expanded": [sample.expanded for sample in encoded], "num_reasoning": [s.reasoning_tokens for s in encoded],
+    }  # fmt: skip
 
 
 def _runs(trained: list[bool]) -> list[tuple[int, int]]:
