@@ -366,16 +366,17 @@ CONVERSATIONS = {
 
 def test_the_skeleton_path_locates_replies_exactly_as_the_placeholder_rendering_does(base_tokenizer):
     """Replies are located from one skeleton per conversation structure when the template copies texts as
-    they are (`_filled_spans`); each such result equals the reference's (`_reply_spans`, which renders each
-    conversation again with placeholders), and templates that trim or rewrite texts fall back to it."""
-    from finetune.data.chat import _Chat, _filled_spans, _reply_spans, _skeletons, chat_messages, template_shape
+    they are (`_filled_spans`), from the pieces' lengths alone where the skeleton holds each reply's header
+    and end marker next to it (its layout); each such result equals the reference's (`_reply_spans`, which
+    renders each conversation again with placeholders), and templates that trim or rewrite texts fall back to it."""
+    from finetune.data.chat import _chats, _filled_spans, _reply_spans, _skeletons, template_shape
 
-    fast = set()
+    fast, laid = set(), set()
     for family in FAMILIES:
         tokenizer = family_tokenizer(base_tokenizer, family)
         for name, conversation in CONVERSATIONS.items():
             tools = [WEATHER] if name == "tools" else None
-            chat = _Chat(tokenizer, chat_messages(conversation, 0), tools, 0)
+            [chat] = _chats([conversation], [tools], [0], tokenizer)
             try:
                 text = chat.render()
             except FinetuneError:  # gemma-2 refuses system roles
@@ -386,6 +387,8 @@ def test_the_skeleton_path_locates_replies_exactly_as_the_placeholder_rendering_
                 located = _filled_spans(skeleton, values, trained, text)
                 if located is not None and trained == replies:
                     fast.add((family, name))
+                    if skeleton.placed(trained)[1] is not None:
+                        laid.add((family, name))
                 if located is not None:
                     assert located == _reply_spans(chat, template_shape(tokenizer), trained, text), (family, name)
     # Without surrounding spaces, trimming changes nothing: every template but the one that drops earlier
@@ -393,6 +396,27 @@ def test_the_skeleton_path_locates_replies_exactly_as_the_placeholder_rendering_
     assert {family for family, name in fast if name == "plain"} == set(FAMILIES) - {"last-reply-only"}
     assert ("llama-3.1", "system, spaces") not in fast  # trimmed texts: located by the reference path
     assert ("qwen-3", "reasoning field") in fast and ("tools", "tools") in fast
+    assert {family for family, name in laid if name == "plain"} == {family for family, name in fast if name == "plain"}
+    assert ("qwen-3", "reasoning field") in laid and ("tools", "tools") in laid
+
+
+def test_encodings_asked_of_the_backend_equal_the_tokenizers_own(base_tokenizer):
+    """The backend is asked directly only where the tokenizer's call would set nothing on it: a backend left
+    truncating, or a tokenizer told to split special tokens, goes through the tokenizer's call."""
+    from finetune.data.chat import encodings
+
+    tokenizer = family_tokenizer(base_tokenizer, "qwen-2.5")
+    texts = ["<|im_start|>user\nreverse: 1 2<|im_end|>\n", "é 🙂 漢字 <|im_end|>ab "]
+
+    def ids() -> list[list[int]]:
+        return [encoding.ids for encoding in encodings(tokenizer, texts)]
+
+    whole = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    assert ids() == whole
+    tokenizer.backend_tokenizer.enable_truncation(3)
+    assert ids() == whole and tokenizer.backend_tokenizer.truncation is None
+    tokenizer.split_special_tokens = True
+    assert ids() == tokenizer(texts, add_special_tokens=False)["input_ids"] != whole
 
 
 def test_trained_tokens_are_found_from_character_spans_as_by_bisecting_every_offset(base_tokenizer):

@@ -171,20 +171,8 @@ def render_chats(
     conversations whose replies cannot be located together. `indices` name samples in errors.
     """
     indices = indices if indices is not None else list(range(len(conversations)))
-    tools = tools if tools is not None else [None] * len(conversations)
+    chats = _chats(conversations, tools if tools is not None else [None] * len(conversations), indices, tokenizer)
     shape = template_shape(tokenizer)
-    knows_reasoning = "reasoning_content" in (tokenizer.chat_template or "")
-    chats = []
-    for messages, schemas, index in zip(conversations, tools, indices, strict=True):
-        roles = _text_roles(messages)
-        if roles is None:
-            messages = chat_messages(messages, index)
-        if knows_reasoning:
-            apart = [_reasoning_apart(message) for message in messages]
-            if any(map(operator.is_not, apart, messages)):
-                messages, roles = apart, None
-        schemas = chat_tools(schemas, index) if schemas is not None else None
-        chats.append(_Chat(tokenizer, messages, schemas, index, roles if schemas is None else None))
     texts = _render_all(chats)
     if not completion_only:
         return [RenderedChat(text, [(0, len(text))]) for text in texts]
@@ -210,6 +198,25 @@ def render_chats(
                 "rendered for generation) or data.multi_turn=last (its last reply only)"
             )
     return rendered
+
+
+def _chats(
+    conversations: list[Any], tools: list[Any], indices: list[int], tokenizer: PreTrainedTokenizerBase
+) -> list[_Chat]:
+    """Each conversation checked and normalized (`chat_messages`), with its tools parsed."""
+    knows_reasoning = "reasoning_content" in (tokenizer.chat_template or "")
+    chats = []
+    for messages, schemas, index in zip(conversations, tools, indices, strict=True):
+        roles = _text_roles(messages)
+        if roles is None:
+            messages = chat_messages(messages, index)
+        if knows_reasoning:
+            apart = [_reasoning_apart(message) for message in messages]
+            if any(map(operator.is_not, apart, messages)):
+                messages, roles = apart, None
+        schemas = chat_tools(schemas, index) if schemas is not None else None
+        chats.append(_Chat(tokenizer, messages, schemas, index, roles if schemas is None else None))
+    return chats
 
 
 def _replies(messages: list[dict[str, Any]]) -> tuple[int, ...]:
