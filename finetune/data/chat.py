@@ -135,7 +135,8 @@ def token_ranges(encoding: Any, spans: list[tuple[int, int]], tokens: int, chara
 
 def _first_token(encoding: Any, char: int, tokens: int, characters: int) -> int:
     """The first token that starts at or after `char` (`tokens` if none does)."""
-    token, position = None, char
+    token = encoding.char_to_token(char) if char < characters else None
+    position = char + 1
     while token is None and position < characters:  # characters no token covers lead to the next
         token = encoding.char_to_token(position)
         position += 1
@@ -228,30 +229,40 @@ def _render_all(chats: list[_Chat]) -> list[str]:
     """Each conversation's text, rendered in one `apply_chat_template` call per set of tools (the
     per-call work of transformers is then paid once per batch, as a batched `datasets.map` pays it);
     a refused batch is rendered again one conversation at a time, to name the sample the template refuses."""
-    texts = _render_batches([(chat.messages, chat.tools) for chat in chats], chats[0].tokenizer) if chats else []
-    return [text if text is not None else chat.render() for chat, text in zip(chats, texts, strict=True)]
+    if not chats:
+        return []
+    texts = _render_batches([chat.messages for chat in chats], [chat.tools for chat in chats], chats[0].tokenizer)
+    if None in texts:
+        return [text if text is not None else chat.render() for chat, text in zip(chats, texts, strict=True)]
+    return texts
 
 
 def _render_batches(
-    conversations: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]], tokenizer: PreTrainedTokenizerBase
+    conversations: list[list[dict[str, Any]]],
+    tools: list[list[dict[str, Any]] | None],
+    tokenizer: PreTrainedTokenizerBase,
 ) -> list[str | None]:
     """Render conversations (each with its tools) grouped by their tools; None where the template refuses one."""
+    if not any(tools):  # no conversation has tools (most data): one group
+        return _render_group(conversations, None, tokenizer)
     groups: dict[str, list[int]] = {}
-    for n, (_, schemas) in enumerate(conversations):
-        key = "" if schemas is None else json.dumps(schemas, sort_keys=True, default=str)
-        groups.setdefault(key, []).append(n)
+    for n, schemas in enumerate(tools):
+        groups.setdefault("" if schemas is None else json.dumps(schemas, sort_keys=True, default=str), []).append(n)
     texts: list[str | None] = [None] * len(conversations)
     for members in groups.values():
-        schemas = conversations[members[0]][1]
-        try:
-            batch = tokenizer.apply_chat_template(
-                [conversations[n][0] for n in members], tools=schemas, tokenize=False
-            )  # fmt: skip
-        except Exception:  # jinja2 errors or the template's raise_exception: find which conversations
-            batch = [_render_or_none(tokenizer, *conversations[n]) for n in members]
+        batch = _render_group([conversations[n] for n in members], tools[members[0]], tokenizer)
         for n, text in zip(members, batch, strict=True):
             texts[n] = text
     return texts
+
+
+def _render_group(
+    conversations: list[list[dict[str, Any]]], tools: list[dict[str, Any]] | None, tokenizer: PreTrainedTokenizerBase
+) -> list[str | None]:
+    try:
+        return tokenizer.apply_chat_template(conversations, tools=tools, tokenize=False)
+    except Exception:  # jinja2 errors or the template's raise_exception: find which conversations
+        return [_render_or_none(tokenizer, messages, tools) for messages in conversations]
 
 
 def _render_or_none(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: Any) -> str | None:
@@ -614,6 +625,8 @@ class _Skeleton:
 
     def __init__(self, pieces: list[str], replies: tuple[int, ...], shape: TemplateShape):
         self.pieces, self.names, self.replies, self.shape = pieces, pieces[1::2], replies, shape
+        self.kinds = {name[0] for name in self.names}
+        """"c" (contents), and "r" where the template wrote reasoning given apart."""
         """`replies`: the positions of the assistant messages, as in every conversation of this structure."""
         self._placed: dict[tuple[int, ...], tuple[list[tuple[int, str, int]] | None, list[_Laid] | None]] = {}
 
@@ -712,7 +725,11 @@ def _skeletons(chats: list[_Chat], shape: TemplateShape) -> list[tuple[_Skeleton
             structures.setdefault(key, (messages, chat.tools))
         keys.append(key)
         fillings.append(values)
-    rendered = _render_batches(list(structures.values()), chats[0].tokenizer) if chats else []
+    if not chats:
+        return []
+    rendered = _render_batches(
+        [m for m, _ in structures.values()], [t for _, t in structures.values()], chats[0].tokenizer
+    )
     skeletons = {
         key: _Skeleton(_PLACEHOLDER.split(text), _replies(messages), shape) if text is not None else None
         for (key, (messages, _)), text in zip(structures.items(), rendered, strict=True)
@@ -738,25 +755,26 @@ def _filled_spans(
     """The replies' spans when the skeleton filled with the conversation's texts (`values`) is exactly
     the rendered text (the template copies texts as they are: no trimming, no branching on them), each
     placeholder then standing where its text lies; None otherwise, to locate them by `_reply_spans`."""
+    plan, layout = skeleton.placed(trained)
     parts = skeleton.pieces.copy()
     try:
         parts[1::2] = [values[name] for name in skeleton.names]
     except KeyError:  # a placeholder-like text the data itself carried into the skeleton
         return None
-    plan, layout = skeleton.placed(trained)
     if plan is None or "".join(parts) != text:
         return None
     starts = list(itertools.accumulate(map(len, parts), initial=0))  # part n of the text starts at starts[n]
     if layout is None:
         regions: _Regions = {(kind, k): (starts[n], starts[n + 1], j) for j, (n, kind, k) in enumerate(plan)}
         return _spans(text, regions, skeleton.shape, len(trained))
-    spans = [(starts[laid.start_piece] + laid.start, starts[laid.end_piece] + laid.end) for laid in layout]
-    reasoning, thinks = [], "<think>" in text
-    for laid in layout:
-        if laid.reasoning >= 0:
-            reasoning.append((starts[laid.reasoning], starts[laid.reasoning + 1]))
-        elif thinks and (think := _think_block(text, starts[laid.content], starts[laid.content + 1])):
-            reasoning.append(think)
+    spans = [(starts[first] + start, starts[last] + end) for first, start, last, end, _, _ in layout]
+    reasoning = []
+    if "<think>" in text or "r" in skeleton.kinds:
+        for laid in layout:
+            if laid.reasoning >= 0:
+                reasoning.append((starts[laid.reasoning], starts[laid.reasoning + 1]))
+            elif think := _think_block(text, starts[laid.content], starts[laid.content + 1]):
+                reasoning.append(think)
     return spans, reasoning
 
 
