@@ -623,11 +623,18 @@ class _Skeleton:
     the template's text, which conversations of the same structure share, as pieces alternating
     between template text and placeholder names (c<i> the content of message i, r<i> its reasoning)."""
 
-    def __init__(self, pieces: list[str], replies: tuple[int, ...], shape: TemplateShape):
-        self.pieces, self.names, self.replies, self.shape = pieces, pieces[1::2], replies, shape
-        self.kinds = {name[0] for name in self.names}
+    def __init__(self, pieces: list[str], replies: tuple[int, ...], shape: TemplateShape, messages: int | None):
+        """`replies`: the positions of the assistant messages, as in every conversation of this structure;
+        `messages`: their number where conversations give their texts as the list of contents (roles and
+        texts only), None where they give them by placeholder name."""
+        self.pieces, self.replies, self.shape = pieces, replies, shape
+        names = pieces[1::2]
+        self.kinds = {name[0] for name in names}
         """"c" (contents), and "r" where the template wrote reasoning given apart."""
-        """`replies`: the positions of the assistant messages, as in every conversation of this structure."""
+        self.keys: list[Any] = names if messages is None else [int(name[1:]) for name in names]
+        """Where each placeholder's text is in a conversation's texts."""
+        self.in_order = messages is not None and self.keys == list(range(messages))
+        """Every content once, in message order, as most templates write them: the texts are the contents."""
         self._placed: dict[tuple[int, ...], tuple[list[tuple[int, str, int]] | None, list[_Laid] | None]] = {}
 
     def placed(self, trained: tuple[int, ...]) -> tuple[list[tuple[int, str, int]] | None, list[_Laid] | None]:
@@ -697,24 +704,28 @@ def _header_end(template_text: str, shape: TemplateShape) -> int | None:
 
 
 _PLACEHOLDER = re.compile("\ue000([cr][0-9]+)\ue001")
-_CONTENTS = tuple(f"c{i}" for i in range(256))
-"""Placeholder names of the contents of a conversation's messages, in order."""
+
+_Texts = list[str] | dict[str, str]
+"""A conversation's texts that fill its skeleton: the contents in message order (roles and texts only), or
+by placeholder name."""
 
 
-def _skeletons(chats: list[_Chat], shape: TemplateShape) -> list[tuple[_Skeleton | None, dict[str, str]]]:
+def _skeletons(chats: list[_Chat], shape: TemplateShape) -> list[tuple[_Skeleton | None, _Texts]]:
     """The skeleton of each conversation, rendered once per distinct structure in the batch (roles,
     tool calls, tools: everything but the texts), so that locating replies costs no second rendering
     of each conversation (None where the template refuses the placeholders), and the texts that fill it."""
+    if not chats:
+        return []
     keys: list[Any] = []
-    fillings, structures = [], {}
+    fillings: list[_Texts] = []
+    structures: dict[Any, tuple[list[dict[str, Any]], list[dict[str, Any]] | None, int | None]] = {}
     for chat in chats:
-        if chat.roles is not None and len(chat.roles) <= len(_CONTENTS):
-            # Roles and texts only: the roles are the structure (what `_placeholders` would give).
+        if chat.roles is not None:  # roles and texts only: the roles are the structure
             key: Any = chat.roles
-            values = dict(zip(_CONTENTS, map(_CONTENT, chat.messages)))  # noqa: B905 (_CONTENTS is the longer)
+            values: _Texts = list(map(_CONTENT, chat.messages))
             if key not in structures:
                 messages = [{"role": role, "content": _SENTINEL.format(f"c{i}")} for i, role in enumerate(key)]
-                structures[key] = (messages, None)
+                structures[key] = (messages, None, len(messages))
         else:
             messages, values = [], {}
             for i, message in enumerate(chat.messages):
@@ -722,17 +733,14 @@ def _skeletons(chats: list[_Chat], shape: TemplateShape) -> list[tuple[_Skeleton
                 messages.append(message)
                 values.update(texts)
             key = repr((messages, chat.tools))
-            structures.setdefault(key, (messages, chat.tools))
+            structures.setdefault(key, (messages, chat.tools, None))
         keys.append(key)
         fillings.append(values)
-    if not chats:
-        return []
-    rendered = _render_batches(
-        [m for m, _ in structures.values()], [t for _, t in structures.values()], chats[0].tokenizer
-    )
+    structure = list(structures.values())
+    rendered = _render_batches([s[0] for s in structure], [s[1] for s in structure], chats[0].tokenizer)
     skeletons = {
-        key: _Skeleton(_PLACEHOLDER.split(text), _replies(messages), shape) if text is not None else None
-        for (key, (messages, _)), text in zip(structures.items(), rendered, strict=True)
+        key: _Skeleton(_PLACEHOLDER.split(text), _replies(messages), shape, count) if text is not None else None
+        for key, (messages, _, count), text in zip(structures, structure, rendered, strict=True)
     }
     return [(skeletons[key], values) for key, values in zip(keys, fillings, strict=True)]
 
@@ -750,7 +758,7 @@ def _placeholders(message: dict[str, Any], i: int) -> tuple[dict[str, Any], dict
 
 
 def _filled_spans(
-    skeleton: _Skeleton, values: dict[str, str], trained: tuple[int, ...], text: str
+    skeleton: _Skeleton, values: _Texts, trained: tuple[int, ...], text: str
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
     """The replies' spans when the skeleton filled with the conversation's texts (`values`) is exactly
     the rendered text (the template copies texts as they are: no trimming, no branching on them), each
@@ -758,7 +766,7 @@ def _filled_spans(
     plan, layout = skeleton.placed(trained)
     parts = skeleton.pieces.copy()
     try:
-        parts[1::2] = [values[name] for name in skeleton.names]
+        parts[1::2] = values if skeleton.in_order else [values[key] for key in skeleton.keys]
     except KeyError:  # a placeholder-like text the data itself carried into the skeleton
         return None
     if plan is None or "".join(parts) != text:
