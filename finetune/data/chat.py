@@ -2,10 +2,15 @@
 
 Every conversation is checked and normalized first (content parts become text, null keys are
 dropped, tools parsed), so a malformed sample is refused with its index instead of being trained
-as a repr. It is then rendered by the chat template, and its replies are located in the text by
-rendering it a second time with placeholders in their place (`render_chats`), which works for
-templates that rewrite the conversation; character spans become token masks through the fast
-tokenizer's offsets (`encode_rendered`).
+as a repr. The batch is then rendered by the chat template in one call, and each conversation's
+replies are located in its text: from a *skeleton* (the template's text for the conversation's
+structure, rendered once per batch with placeholders for the texts) where filling it with the texts
+gives the rendering exactly, else by rendering the conversation again with placeholders for its
+replies (`render_chats`), which works for templates that rewrite the conversation. Character spans
+become token ranges through the fast tokenizer's encodings (`encode_rendered`).
+
+Everything per sample here runs for every conversation of a dataset, so the common case (roles
+and texts, no tools, a template that copies texts) is kept to a few list operations per sample.
 """
 
 from __future__ import annotations
