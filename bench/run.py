@@ -303,7 +303,8 @@ class Bench:
     def data_pipeline(self) -> dict:
         """finetune's tokenization with assistant-only masking vs a batched `datasets.map` that only renders the
         chat template and tokenizes, on the demo's short chats and on long multi-turn chats made of them (medians
-        of interleaved repetitions, nothing cached); and tokenize + mask + pack, the first time and cached."""
+        of repetitions interleaved A, B, B, A, ..., nothing cached, each kept in the results); and tokenize + mask +
+        pack, the first time and cached."""
         import datasets
         from transformers import AutoTokenizer
 
@@ -335,8 +336,10 @@ class Bench:
         try:
             for name, data in (("short", short), ("long", long)):
                 seconds: dict[str, list[float]] = {contender: [] for contender in contenders}
-                for _ in range(3 * self.repeats):  # seconds each: more repetitions against the noise
-                    for contender, run in contenders.items():
+                for repeat in range(3 * self.repeats):  # seconds each: more repetitions against the noise
+                    # A, B then B, A: whatever running second (or first) costs falls on both alike.
+                    order = list(contenders.items())[:: 1 if repeat % 2 == 0 else -1]
+                    for contender, run in order:
                         gc.collect()  # as timeit does: the collector's pauses otherwise fall on either contender
                         gc.disable()
                         try:
@@ -350,6 +353,7 @@ class Bench:
                 sets[name] = {
                     "samples": len(data), "tokens_per_sample": tokens / len(data), "seconds": median,
                     "ratio_vs_plain": median["plain_batched_map"] / median["finetune_tokenize_mask"],
+                    "repetitions": {contender: [round(v, 4) for v in values] for contender, values in seconds.items()},
                 }  # fmt: skip
         finally:
             datasets.enable_caching()
