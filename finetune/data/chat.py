@@ -418,13 +418,7 @@ def chat_messages(messages: Any, index: int) -> list[dict[str, Any]]:
         )
     normalized = []
     for number, message in enumerate(messages):
-        if (
-            type(message) is dict
-            and len(message) == 2
-            and type(message.get("role")) is str
-            and type(message.get("content")) is str
-            and message["role"] != "tool"
-        ):
+        if _is_text_message(message):
             normalized.append(message)  # a role and its text, as most messages are: nothing to check or convert
             continue
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
