@@ -369,19 +369,20 @@ def test_the_skeleton_path_locates_replies_exactly_as_the_placeholder_rendering_
     they are (`_filled_spans`), from the pieces' lengths alone where the skeleton holds each reply's header
     and end marker next to it (its layout); each such result equals the reference's (`_reply_spans`, which
     renders each conversation again with placeholders), and templates that trim or rewrite texts fall back to it."""
-    from finetune.data.chat import _chats, _filled_spans, _reply_spans, _skeletons, template_shape
+    from finetune.data.chat import _check, _filled_spans, _reply_spans, _skeletons, template_shape
 
     fast, laid = set(), set()
     for family in FAMILIES:
         tokenizer = family_tokenizer(base_tokenizer, family)
         for name, conversation in CONVERSATIONS.items():
             tools = [WEATHER] if name == "tools" else None
-            [chat] = _chats([conversation], [tools], [0], tokenizer)
+            batch = _check([conversation], [tools], [0], tokenizer)
+            chat = batch.chat(0)
             try:
                 text = chat.render()
             except FinetuneError:  # gemma-2 refuses system roles
                 continue
-            [(skeleton, values)] = _skeletons([chat], template_shape(tokenizer))
+            [(skeleton, values)] = _skeletons(batch, template_shape(tokenizer))
             replies = tuple(i for i, message in enumerate(chat.messages) if message["role"] == "assistant")
             for trained in (replies, replies[-1:]):
                 located = _filled_spans(skeleton, values, trained, text)

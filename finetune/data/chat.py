@@ -32,8 +32,10 @@ from finetune.errors import FinetuneError, first_line
 MultiTurn = Literal["full", "per_turn", "last"]
 
 
-# The per-sample records below are plain (not frozen) dataclasses: a frozen one's __init__ costs
-# three times as much, a cost paid for every sample of a dataset.
+# Everything below runs for every conversation of a dataset, so a batch is kept as columns (one list a
+# field, over its samples) and an object is made per sample only where a conversation needs more than
+# the common path. Per-sample records are plain (not frozen) dataclasses: a frozen one's __init__ costs
+# three times as much.
 
 
 @dataclass(slots=True)
@@ -49,22 +51,37 @@ class RenderedChat:
 
 
 @dataclass(slots=True)
-class EncodedSample:
-    """One sample's token ids and the tokens trained (chats here; prompt/completion and text alike)."""
+class RenderedChats:
+    """A batch's training samples of conversations, as columns of `RenderedChat`'s fields; sample n is `[n]`."""
 
-    ids: list[int]
-    ranges: list[tuple[int, int]]
-    """The trained tokens, as sorted [first, last) ranges: the targets are built from them by slicing."""
-    expanded: bool
-    reasoning_tokens: int
-    """Tokens of reasoning in the replies, trained or not (`train_on_reasoning`)."""
+    texts: list[str]
+    spans: list[list[tuple[int, int]]]
+    reasoning: list[list[tuple[int, int]]]
+    expanded: list[bool]
 
-    @property
-    def trained(self) -> list[bool]:
-        trained = [False] * len(self.ids)
-        for first, last in self.ranges:
-            trained[first:last] = [True] * (last - first)
-        return trained
+    @classmethod
+    def of(cls, samples: list[RenderedChat]) -> RenderedChats:
+        return cls([s.text for s in samples], [s.spans for s in samples], [s.reasoning for s in samples],
+                   [s.expanded for s in samples])  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def __getitem__(self, n: int) -> RenderedChat:
+        return RenderedChat(self.texts[n], self.spans[n], self.expanded[n], self.reasoning[n])
+
+
+@dataclass(slots=True)
+class EncodedSamples:
+    """A batch's samples as token ids and the tokens trained, in columns (chats here; prompt/completion and
+    text alike)."""
+
+    ids: list[list[int]]
+    ranges: list[list[tuple[int, int]]]
+    """Each sample's trained tokens, as sorted [first, last) ranges: the targets are built from them by slicing."""
+    expanded: list[bool]
+    reasoning_tokens: list[int]
+    """Tokens of reasoning in each sample's replies, trained or not (`train_on_reasoning`)."""
 
 
 def encode_chats(
@@ -76,26 +93,40 @@ def encode_chats(
     tools: list[Any] | None = None,
 ) -> list[tuple[list[int], list[bool]]]:
     """Token ids of each rendered conversation, with its assistant replies (and their end-of-turn) marked trained."""
-    rendered = render_chats(conversations, tokenizer, completion_only, indices, multi_turn, tools)
-    return [(chat.ids, chat.trained) for chat in encode_rendered(rendered, tokenizer)]
+    encoded = encode_rendered(
+        render_chats(conversations, tokenizer, completion_only, indices, multi_turn, tools), tokenizer
+    )
+    return [(ids, _trained(len(ids), ranges)) for ids, ranges in zip(encoded.ids, encoded.ranges, strict=True)]
+
+
+def _trained(length: int, ranges: list[tuple[int, int]]) -> list[bool]:
+    trained = [False] * length
+    for first, last in ranges:
+        trained[first:last] = [True] * (last - first)
+    return trained
 
 
 def encode_rendered(
-    samples: list[RenderedChat], tokenizer: PreTrainedTokenizerBase, train_on_reasoning: bool = True
-) -> list[EncodedSample]:
+    rendered: RenderedChats, tokenizer: PreTrainedTokenizerBase, train_on_reasoning: bool = True
+) -> EncodedSamples:
     """Tokenize the rendered texts in one call (the fast tokenizer is entered once per batch) and map the
     trained character spans to tokens through the encodings, so merges across turn boundaries cannot shift them."""
-    encoded = []
-    for sample, encoding in zip(samples, encodings(tokenizer, [s.text for s in samples]), strict=True):
-        ids = encoding.ids
-        ranges = token_ranges(encoding, sample.spans, len(ids), len(sample.text))
-        reasoning_tokens = 0
-        if sample.reasoning:
-            reasoning = token_ranges(encoding, sample.reasoning, len(ids), len(sample.text))
-            reasoning_tokens = sum(last - first for first, last in reasoning)
-            ranges = ranges if train_on_reasoning else _without(ranges, reasoning)
-        encoded.append(EncodedSample(ids, ranges, sample.expanded, reasoning_tokens))
-    return encoded
+    ids, ranges, reasoning_tokens = [], [], []
+    texts = rendered.texts
+    for encoding, text, spans, reasoning in zip(
+        encodings(tokenizer, texts), texts, rendered.spans, rendered.reasoning, strict=True
+    ):
+        sample_ids = encoding.ids
+        trained = token_ranges(encoding, spans, len(sample_ids), len(text))
+        thought = 0
+        if reasoning:
+            within = token_ranges(encoding, reasoning, len(sample_ids), len(text))
+            thought = sum(last - first for first, last in within)
+            trained = trained if train_on_reasoning else _without(trained, within)
+        ids.append(sample_ids)
+        ranges.append(trained)
+        reasoning_tokens.append(thought)
+    return EncodedSamples(ids, ranges, rendered.expanded, reasoning_tokens)
 
 
 def encodings(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[Any]:
@@ -161,7 +192,7 @@ def render_chats(
     indices: list[int] | None = None,
     multi_turn: MultiTurn = "full",
     tools: list[Any] | None = None,
-) -> list[RenderedChat]:
+) -> RenderedChats:
     """Render each conversation (with its `tools`, JSON schemas given to the template) with the chat
     template and locate its assistant replies in the text.
 
@@ -177,52 +208,85 @@ def render_chats(
     conversations whose replies cannot be located together. `indices` name samples in errors.
     """
     indices = indices if indices is not None else list(range(len(conversations)))
-    chats = _chats(conversations, tools if tools is not None else [None] * len(conversations), indices, tokenizer)
-    shape = template_shape(tokenizer)
-    texts = _render_all(chats)
+    batch = _check(conversations, tools if tools is not None else [None] * len(conversations), indices, tokenizer)
+    texts = _render_all(batch)
     if not completion_only:
-        return [RenderedChat(text, [(0, len(text))]) for text in texts]
-    rendered = []
-    for chat, text, (skeleton, values) in zip(chats, texts, _skeletons(chats, shape), strict=True):
-        replies = skeleton.replies if skeleton is not None else _replies(chat.messages)
+        return RenderedChats(texts, [[(0, len(text))] for text in texts], [[] for _ in texts], [False] * len(texts))
+    shape = template_shape(tokenizer)
+    spans, reasoning, per_turn = [], [], {}
+    for n, (text, (skeleton, values)) in enumerate(zip(texts, _skeletons(batch, shape), strict=True)):
+        replies = skeleton.replies if skeleton is not None else _replies(batch.messages[n])
         if not replies:
             raise FinetuneError(
-                f"sample {chat.index} has no assistant message to train on; remove it, or set "
+                f"sample {indices[n]} has no assistant message to train on; remove it, or set "
                 "data.completion_only_loss=false to train on all of its text"
             )
         trained = replies[-1:] if multi_turn == "last" else replies
         located = _filled_spans(skeleton, values, trained, text) if skeleton is not None else None
-        located = located or _reply_spans(chat, shape, trained, text)
-        if located is not None:
-            rendered.append(RenderedChat(text, located[0], reasoning=located[1]))
-        elif multi_turn == "per_turn":
-            rendered.extend(_per_turn(chat, shape, replies))
-        else:
-            raise FinetuneError(
-                f"sample {chat.index}: the chat template renders this conversation so that its assistant replies "
-                "cannot be located in it; set data.multi_turn=per_turn (one sample per reply, each prompt as "
-                "rendered for generation) or data.multi_turn=last (its last reply only)"
-            )
-    return rendered
+        located = located or _reply_spans(batch.chat(n), shape, trained, text)
+        if located is None:
+            if multi_turn != "per_turn":
+                raise FinetuneError(
+                    f"sample {indices[n]}: the chat template renders this conversation so that its assistant "
+                    "replies cannot be located in it; set data.multi_turn=per_turn (one sample per reply, each "
+                    "prompt as rendered for generation) or data.multi_turn=last (its last reply only)"
+                )
+            per_turn[n] = _per_turn(batch.chat(n), shape, replies)
+            located = [], []
+        spans.append(located[0])
+        reasoning.append(located[1])
+    rendered = RenderedChats(texts, spans, reasoning, [False] * len(texts))
+    return _expanded(rendered, per_turn) if per_turn else rendered
 
 
-def _chats(
+def _expanded(rendered: RenderedChats, per_turn: dict[int, list[RenderedChat]]) -> RenderedChats:
+    """The samples, with those of the conversations in `per_turn` replaced by their per-turn samples."""
+    samples = []
+    for n in range(len(rendered)):
+        samples.extend(per_turn[n] if n in per_turn else [rendered[n]])
+    return RenderedChats.of(samples)
+
+
+@dataclass(slots=True)
+class _Batch:
+    """A batch of conversations checked and normalized (`_check`), as columns."""
+
+    tokenizer: PreTrainedTokenizerBase
+    messages: list[list[dict[str, Any]]]
+    tools: list[list[dict[str, Any]] | None]
+    indices: list[int]
+    roles: list[tuple[str, ...] | None]
+    """The roles of each conversation that is only roles and texts, without tools (`_roles_and_texts`); else None."""
+    contents: list[list[str] | None]
+    """The texts of those conversations, in message order: with the roles, all that a skeleton needs of them."""
+
+    def chat(self, n: int) -> _Chat:
+        """Conversation n, as the renderings that take it one at a time need it."""
+        return _Chat(self.tokenizer, self.messages[n], self.tools[n], self.indices[n])
+
+
+def _check(
     conversations: list[Any], tools: list[Any], indices: list[int], tokenizer: PreTrainedTokenizerBase
-) -> list[_Chat]:
+) -> _Batch:
     """Each conversation checked and normalized (`chat_messages`), with its tools parsed."""
     knows_reasoning = "reasoning_content" in (tokenizer.chat_template or "")
-    chats = []
+    checked, parsed, roles, contents = [], [], [], []
     for messages, schemas, index in zip(conversations, tools, indices, strict=True):
-        roles = _text_roles(messages)
-        if roles is None:
+        plain = _roles_and_texts(messages)
+        if plain is None:
             messages = chat_messages(messages, index)
         if knows_reasoning:
             apart = [_reasoning_apart(message) for message in messages]
             if any(map(operator.is_not, apart, messages)):
-                messages, roles = apart, None
+                messages, plain = apart, None
         schemas = chat_tools(schemas, index) if schemas is not None else None
-        chats.append(_Chat(tokenizer, messages, schemas, index, roles if schemas is None else None))
-    return chats
+        if schemas is not None:
+            plain = None
+        checked.append(messages)
+        parsed.append(schemas)
+        roles.append(plain[0] if plain is not None else None)
+        contents.append(plain[1] if plain is not None else None)
+    return _Batch(tokenizer, checked, parsed, indices, roles, contents)
 
 
 def _replies(messages: list[dict[str, Any]]) -> tuple[int, ...]:
@@ -230,15 +294,15 @@ def _replies(messages: list[dict[str, Any]]) -> tuple[int, ...]:
     return tuple(i for i, message in enumerate(messages) if message["role"] == "assistant")
 
 
-def _render_all(chats: list[_Chat]) -> list[str]:
+def _render_all(batch: _Batch) -> list[str]:
     """Each conversation's text, rendered in one `apply_chat_template` call per set of tools (the
     per-call work of transformers is then paid once per batch, as a batched `datasets.map` pays it);
     a refused batch is rendered again one conversation at a time, to name the sample the template refuses."""
-    if not chats:
+    if not batch.messages:
         return []
-    texts = _render_batches([chat.messages for chat in chats], [chat.tools for chat in chats], chats[0].tokenizer)
+    texts = _render_batches(batch.messages, batch.tools, batch.tokenizer)
     if None in texts:
-        return [text if text is not None else chat.render() for chat, text in zip(chats, texts, strict=True)]
+        return [text if text is not None else batch.chat(n).render() for n, text in enumerate(texts)]
     return texts
 
 
@@ -302,8 +366,6 @@ class _Chat:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     index: int
-    roles: tuple[str, ...] | None = None
-    """The roles, when the messages are only roles and texts and there are no tools (`_text_roles`)."""
 
     def render(self, messages: list[dict[str, Any]] | None = None, generation: bool = False) -> str:
         try:
@@ -376,27 +438,22 @@ def read_chat_template(value: str) -> str:
     return value
 
 
-_ROLE, _CONTENT = operator.itemgetter("role"), operator.itemgetter("content")
-
-
-def _text_roles(messages: Any) -> tuple[str, ...] | None:
-    """The roles of a conversation whose messages are each a role (not a tool's) and a non-empty text, and
-    nothing else, as most data is: `chat_messages` would return it as it is, and its roles are all a
-    skeleton needs to know of it. None for any other conversation."""
-    if type(messages) is not list or not messages or not all(map(_is_text_message, messages)):
+def _roles_and_texts(messages: Any) -> tuple[tuple[str, ...], list[str]] | None:
+    """The roles and the texts of a conversation whose messages are each a role (not a tool's) and a non-empty
+    text, and nothing else, as most data is: `chat_messages` would return it as it is, and a skeleton keyed by
+    its roles, filled with its texts, renders it. None for any other conversation."""
+    if type(messages) is not list or not messages:
         return None
-    return tuple(map(_ROLE, messages))
-
-
-def _is_text_message(message: Any) -> bool:
-    return (
-        type(message) is dict
-        and len(message) == 2
-        and type(message.get("role")) is str
-        and type(message.get("content")) is str
-        and message["content"] != ""
-        and message["role"] != "tool"
-    )
+    roles, texts = [], []
+    for message in messages:  # a plain loop: the quickest way through every message of a dataset
+        if type(message) is not dict or len(message) != 2:
+            return None
+        role, text = message.get("role"), message.get("content")
+        if type(role) is not str or type(text) is not str or not text or role == "tool":
+            return None
+        roles.append(role)
+        texts.append(text)
+    return tuple(roles), texts
 
 
 def chat_messages(messages: Any, index: int) -> list[dict[str, Any]]:
@@ -418,9 +475,6 @@ def chat_messages(messages: Any, index: int) -> list[dict[str, Any]]:
         )
     normalized = []
     for number, message in enumerate(messages):
-        if _is_text_message(message):
-            normalized.append(message)  # a role and its text, as most messages are: nothing to check or convert
-            continue
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise FinetuneError(
                 f"{where}, message {number}: expected an object with a text role, got {describe(message)}; "
@@ -709,34 +763,36 @@ _Texts = list[str] | dict[str, str]
 by placeholder name."""
 
 
-def _skeletons(chats: list[_Chat], shape: TemplateShape) -> list[tuple[_Skeleton | None, _Texts]]:
+def _skeletons(batch: _Batch, shape: TemplateShape) -> list[tuple[_Skeleton | None, _Texts]]:
     """The skeleton of each conversation, rendered once per distinct structure in the batch (roles,
     tool calls, tools: everything but the texts), so that locating replies costs no second rendering
     of each conversation (None where the template refuses the placeholders), and the texts that fill it."""
-    if not chats:
+    if not batch.messages:
         return []
     keys: list[Any] = []
     fillings: list[_Texts] = []
     structures: dict[Any, tuple[list[dict[str, Any]], list[dict[str, Any]] | None, int | None]] = {}
-    for chat in chats:
-        if chat.roles is not None:  # roles and texts only: the roles are the structure
-            key: Any = chat.roles
-            values: _Texts = list(map(_CONTENT, chat.messages))
+    for roles, contents, conversation, tools in zip(
+        batch.roles, batch.contents, batch.messages, batch.tools, strict=True
+    ):
+        if roles is not None:  # roles and texts only: the roles are the structure, the texts fill it in order
+            key: Any = roles
+            values: _Texts = contents
             if key not in structures:
                 messages = [{"role": role, "content": _SENTINEL.format(f"c{i}")} for i, role in enumerate(key)]
                 structures[key] = (messages, None, len(messages))
         else:
             messages, values = [], {}
-            for i, message in enumerate(chat.messages):
+            for i, message in enumerate(conversation):
                 message, texts = _placeholders(message, i)
                 messages.append(message)
                 values.update(texts)
-            key = repr((messages, chat.tools))
-            structures.setdefault(key, (messages, chat.tools, None))
+            key = repr((messages, tools))
+            structures.setdefault(key, (messages, tools, None))
         keys.append(key)
         fillings.append(values)
     structure = list(structures.values())
-    rendered = _render_batches([s[0] for s in structure], [s[1] for s in structure], chats[0].tokenizer)
+    rendered = _render_batches([s[0] for s in structure], [s[1] for s in structure], batch.tokenizer)
     skeletons = {
         key: _Skeleton(_PLACEHOLDER.split(text), _replies(messages), shape, count) if text is not None else None
         for key, (messages, _, count), text in zip(structures, structure, rendered, strict=True)

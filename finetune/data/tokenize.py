@@ -14,7 +14,7 @@ import datasets
 from transformers import PreTrainedTokenizerBase
 
 from finetune.config import DataConfig, SourceConfig
-from finetune.data.chat import EncodedSample, MultiTurn, describe, encode_rendered, render_chats
+from finetune.data.chat import EncodedSamples, MultiTurn, describe, encode_rendered, render_chats
 from finetune.errors import FinetuneError
 
 IGNORE = -100
@@ -74,17 +74,14 @@ def _tokenize_batch(
         encoded = encode_rendered(rendered, tokenizer, train_on_reasoning)
     elif fmt == "prompt_completion":
         prompts, completions = _texts(batch, "prompt", indices), _texts(batch, "completion", indices)
-        pairs = encode_prompt_completions(prompts, completions, tokenizer, completion_only)
-        encoded = [EncodedSample(ids, _runs(trained), False, 0) for ids, trained in pairs]
+        encoded = _encoded(encode_prompt_completions(prompts, completions, tokenizer, completion_only))
     else:
-        texts = _texts(batch, "text", indices)
-        encoded = [EncodedSample(ids, _runs(trained), False, 0) for ids, trained in encode_texts(texts, tokenizer)]
+        encoded = _encoded(encode_texts(_texts(batch, "text", indices), tokenizer))
     input_ids, target_ids, truncated, num_targets = [], [], [], []
-    for sample in encoded:
-        ids = sample.ids
+    for ids, ranges in zip(encoded.ids, encoded.ranges, strict=True):
         # target_ids[i] is the token after input_ids[i] when that token is trained; the last has no successor.
         targets = [IGNORE] * len(ids)
-        for first, last in sample.ranges:
+        for first, last in ranges:
             first = max(first, 1)  # the first token is nobody's target
             targets[first - 1 : last - 1] = ids[first:last]
         truncated.append(len(ids) > max_length)
@@ -95,8 +92,18 @@ def _tokenize_batch(
         num_targets.append(len(targets) - targets.count(IGNORE))
     return {
         "input_ids": input_ids, "target_ids": target_ids, "truncated": truncated, "num_targets": num_targets,
-        "expanded": [sample.expanded for sample in encoded], "num_reasoning": [s.reasoning_tokens for s in encoded],
+        "expanded": encoded.expanded, "num_reasoning": encoded.reasoning_tokens,
     }  # fmt: skip
+
+
+def _encoded(samples: list[tuple[list[int], list[bool]]]) -> EncodedSamples:
+    """(ids, trained) pairs as columns."""
+    return EncodedSamples(
+        [ids for ids, _ in samples],
+        [_runs(trained) for _, trained in samples],
+        [False] * len(samples),
+        [0] * len(samples),
+    )
 
 
 def _runs(trained: list[bool]) -> list[tuple[int, int]]:
