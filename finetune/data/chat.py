@@ -165,8 +165,10 @@ def token_ranges(encoding: Any, spans: list[tuple[int, int]], tokens: int, chara
     [first, last) of the tokens that start in it. The fast tokenizer's encoding is asked about the few
     characters that bound the spans: converting every token's offsets to Python costs a third of the
     tokenization of long texts."""
-    return [(_first_token(encoding, lo, tokens, characters), _first_token(encoding, hi, tokens, characters))
-            for lo, hi in spans]  # fmt: skip
+    ranges = []
+    for lo, hi in spans:  # a loop, not a comprehension (a call each): this runs for every sample
+        ranges.append((_first_token(encoding, lo, tokens, characters), _first_token(encoding, hi, tokens, characters)))
+    return ranges
 
 
 def _first_token(encoding: Any, char: int, tokens: int, characters: int) -> int:
@@ -826,17 +828,22 @@ def _filled_spans(
         return None
     if plan is None or "".join(parts) != text:
         return None
-    starts = list(itertools.accumulate(map(len, parts), initial=0))  # part n of the text starts at starts[n]
     if layout is None:
+        starts = list(itertools.accumulate(map(len, parts), initial=0))  # part n of the text starts at starts[n]
         regions: _Regions = {(kind, k): (starts[n], starts[n + 1], j) for j, (n, kind, k) in enumerate(plan)}
         return _spans(text, regions, skeleton.shape, len(trained))
-    spans = [(starts[first] + start, starts[last] + end) for first, start, last, end, _, _ in layout]
-    reasoning = []
+    # Part n of the text starts at sum(lengths[:n]), summed only where a span needs it; plain loops, as
+    # comprehensions cost a call each: this runs for every conversation of a dataset.
+    lengths = list(map(len, parts))
+    spans, reasoning = [], []
+    for first, start, last, end, _, _ in layout:
+        spans.append((sum(lengths[:first]) + start, sum(lengths[:last]) + end))
     if "<think>" in text or "r" in skeleton.kinds:
-        for laid in layout:
-            if laid.reasoning >= 0:
-                reasoning.append((starts[laid.reasoning], starts[laid.reasoning + 1]))
-            elif think := _think_block(text, starts[laid.content], starts[laid.content + 1]):
+        for _, _, _, _, content, thought in layout:
+            if thought >= 0:
+                at = sum(lengths[:thought])
+                reasoning.append((at, at + lengths[thought]))
+            elif think := _think_block(text, at := sum(lengths[:content]), at + lengths[content]):
                 reasoning.append(think)
     return spans, reasoning
 
