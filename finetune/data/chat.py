@@ -32,10 +32,9 @@ from finetune.errors import FinetuneError, first_line
 MultiTurn = Literal["full", "per_turn", "last"]
 
 
-# Everything below runs for every conversation of a dataset, so a batch is kept as columns (one list a
-# field, over its samples) and an object is made per sample only where a conversation needs more than
-# the common path. Per-sample records are plain (not frozen) dataclasses: a frozen one's __init__ costs
-# three times as much.
+# A batch is kept as columns (one list a field, over its samples): an object is made per sample only
+# where a conversation needs more than the common path. Those per-sample records are plain (not frozen)
+# dataclasses: a frozen one's __init__ costs three times as much.
 
 
 @dataclass(slots=True)
@@ -166,7 +165,7 @@ def token_ranges(encoding: Any, spans: list[tuple[int, int]], tokens: int, chara
     characters that bound the spans: converting every token's offsets to Python costs a third of the
     tokenization of long texts."""
     ranges = []
-    for lo, hi in spans:  # a loop, not a comprehension (a call each): this runs for every sample
+    for lo, hi in spans:  # a loop: a comprehension is a call of its own before Python 3.12, per sample
         ranges.append((_first_token(encoding, lo, tokens, characters), _first_token(encoding, hi, tokens, characters)))
     return ranges
 
@@ -833,7 +832,7 @@ def _filled_spans(
         regions: _Regions = {(kind, k): (starts[n], starts[n + 1], j) for j, (n, kind, k) in enumerate(plan)}
         return _spans(text, regions, skeleton.shape, len(trained))
     # Part n of the text starts at sum(lengths[:n]), summed only where a span needs it; plain loops, as
-    # comprehensions cost a call each: this runs for every conversation of a dataset.
+    # comprehensions are calls of their own before Python 3.12: this runs for every conversation of a dataset.
     lengths = list(map(len, parts))
     spans, reasoning = [], []
     for first, start, last, end, _, _ in layout:
