@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +22,8 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from transformers import PreTrainedModel
 
-from finetune.checkpoint import ADAPTER_RECORD, ADAPTER_STATE
+from finetune.checkpoint import ADAPTER_RECORD, ADAPTER_STATE, MODEL_FILES
 from finetune.config import PeftConfig
-from finetune.distributed import fsdp_requested, rank_zero_loading
 from finetune.errors import FinetuneError, first_line
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -37,12 +35,7 @@ _SET_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 def add_adapters(model: PreTrainedModel, cfg: PeftConfig) -> PeftModel:
     """Freeze `model` and add the recipe's adapters; adapter weights are kept in fp32 whatever the base's dtype."""
-    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
-    if tied and cfg.modules_to_save:
-        raise FinetuneError(
-            f"peft.modules_to_save={cfg.modules_to_save} on {type(model).__name__}, whose input and output embeddings "
-            "are tied: a trained copy would untie them. Leave peft.modules_to_save empty"
-        )
+    check_adapter_targets(model, cfg)
     targets = cfg.target_modules[0] if cfg.target_modules == ["all-linear"] else cfg.target_modules
     lora = LoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, use_dora=cfg.method == "dora",
@@ -63,9 +56,78 @@ def add_adapters(model: PreTrainedModel, cfg: PeftConfig) -> PeftModel:
     return adapted
 
 
+def check_adapter_targets(model: PreTrainedModel, cfg: PeftConfig) -> None:
+    """Every module the recipe names exists (PEFT skips a `modules_to_save` name that matches nothing, so a
+    typo would train nothing in full), and no adapter touches a tied embedding: the trained model would use
+    the adapted matrix on one side only, which no merged export can reproduce."""
+    names = [name for name, _ in model.named_modules() if name]
+    for key in ("modules_to_save", "target_modules"):
+        wanted = [n for n in getattr(cfg, key) if n != "all-linear"]
+        unknown = [n for n in wanted if not any(name == n or name.endswith(f".{n}") for name in names)]
+        if unknown:
+            leaves = sorted({name.rsplit(".", 1)[-1] for name in names if not name.rsplit(".", 1)[-1].isdigit()})
+            raise FinetuneError(
+                f"peft.{key} names {', '.join(unknown)}, which {type(model).__name__} does not have; its modules are "
+                f"named: {', '.join(leaves)}"
+            )
+    if not getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        return
+    tied = {_leaf(model, model.get_input_embeddings()), _leaf(model, model.get_output_embeddings())} - {None}
+    touched = sorted(tied & {*cfg.modules_to_save, *cfg.target_modules})
+    if touched:
+        raise FinetuneError(
+            f"peft names {', '.join(touched)} of {type(model).__name__}, whose input and output embeddings are tied "
+            "(one matrix): an adapter or trained copy of one side would untie them, and no merged model could "
+            "compute what trained; leave the embeddings out of peft.target_modules and peft.modules_to_save"
+        )
+
+
+def _leaf(model: torch.nn.Module, module: torch.nn.Module | None) -> str | None:
+    """The last part of `module`'s name in `model` (None if it is not there)."""
+    return next((name.rsplit(".", 1)[-1] for name, m in model.named_modules() if m is module and name), None)
+
+
+# The adapter settings that decide which tensors a checkpoint holds and what they mean: resuming with any
+# of them changed would load another adapter's state (or drop trained tensors), so it is refused.
+_STRUCTURAL = ("method", "r", "alpha", "target_modules", "use_rslora", "modules_to_save", "quantization")
+
+
+def check_resume_adapters(checkpoint: Path, cfg: PeftConfig) -> None:
+    """The recipe's adapter settings equal those the checkpoint trained with, or the one that differs is named."""
+    record = checkpoint / MODEL_FILES / ADAPTER_RECORD
+    saved = json.loads(record.read_text()).get("settings") if record.is_file() else None
+    if saved is None:  # a checkpoint from before settings were recorded: compare what PEFT's config says
+        config = json.loads((checkpoint / MODEL_FILES / ADAPTER_CONFIG).read_text())
+        saved = {"method": "dora" if config.get("use_dora") else "lora", "r": config.get("r"),
+                 "alpha": config.get("lora_alpha"), "use_rslora": config.get("use_rslora", False)}  # fmt: skip
+    ours = dataclasses.asdict(cfg)
+    differ = [
+        f"peft.{key}={ours[key]} (the checkpoint trained with {saved[key]})"
+        for key in _STRUCTURAL
+        if key in saved and _canonical(saved[key]) != _canonical(ours[key])
+    ]
+    if differ:
+        raise FinetuneError(
+            f"checkpoint {checkpoint} holds adapters of other settings than the recipe's: {'; '.join(differ)}; "
+            "resume with the settings it trained with, or start a new output.dir"
+        )
+
+
+def _canonical(value: Any) -> Any:
+    return sorted(value) if isinstance(value, list) else value
+
+
+def storage_dtype(model_dtype: torch.dtype, mixed_precision: str) -> torch.dtype:
+    """The dtype QLoRA packs its 4-bit weights in and computes in: the compute dtype (the accelerate
+    config's mixed precision, else the model's). FSDP's mixed precision casts every parameter to the compute
+    dtype; packed bytes already in it are left as they are, where a cast of them would scramble the weights.
+    The rest of the model keeps `model.dtype` (fp32 master weights under bf16 compute, say)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, model_dtype)
+
+
 def quantization_config(dtype: torch.dtype):
-    """The 4-bit (nf4) loading of a QLoRA base: storage in `dtype`, so FSDP shards the packed weights
-    as ordinary `dtype` tensors and casts nothing; compute in `dtype`."""
+    """The 4-bit (nf4) loading of a QLoRA base: storage in `dtype` (`storage_dtype`), so FSDP shards the
+    packed weights as ordinary `dtype` tensors and casts nothing; compute in `dtype`."""
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
@@ -79,31 +141,6 @@ def quantization_config(dtype: torch.dtype):
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype,
     )  # fmt: skip
-
-
-def check_adapter_launch(quantization: str = "none", model_dtype: str = "float32") -> None:
-    """Adapters train under FSDP2, DDP and one process. FSDP1 would flatten frozen and trainable
-    parameters of a layer into one buffer (use_orig_params) and keep gradient memory for all of it;
-    rank-0 loading would have to broadcast adapters created on the meta device: neither is proven here.
-    QLoRA's packed 4-bit storage must be the dtype FSDP computes in, or its mixed precision would cast
-    the packed bytes as if they were numbers."""
-    if fsdp_requested():
-        if os.environ.get("FSDP_VERSION", "1") == "1":
-            raise FinetuneError(
-                "adapters (peft) train under FSDP2, DDP or one process, not FSDP1; launch with "
-                "accelerate_configs/fsdp2_full_shard.yaml (or another FSDP2 config)"
-            )
-        if rank_zero_loading():
-            raise FinetuneError(
-                "adapters (peft) do not support rank-0 loading yet; set fsdp_cpu_ram_efficient_loading: false in the "
-                "accelerate config"
-            )
-        compute = {"bf16": "bfloat16", "fp16": "float16"}.get(os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
-        if quantization == "nf4" and compute is not None and compute != model_dtype:
-            raise FinetuneError(
-                f"QLoRA under FSDP with {compute} mixed precision needs model.dtype: {compute} (the 4-bit weights are "
-                f"packed in model.dtype storage, which FSDP would cast to {compute}); set model.dtype={compute}"
-            )
 
 
 def describe_adapters(model: torch.nn.Module) -> str:

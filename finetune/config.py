@@ -27,6 +27,10 @@ class ConfigError(FinetuneError):
 
 
 # accelerate's tracker names (accelerate.utils.LoggerType), listed so that a typo fails here, not at step 1.
+# data.train[].fraction above this is refused: repeats are index lists over one copy of the data, but a
+# mixture that large is a typo (1e9) or an epoch count in disguise (train.num_epochs says it better).
+MAX_FRACTION = 1000
+
 TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
 
 
@@ -127,6 +131,33 @@ class DataConfig:
         """The training sources: `train`, or `train_path` as a mixture of one."""
         return self.train if self.train is not None else [SourceConfig(path=self.train_path, split=self.train_split)]
 
+    def errors(self) -> list[str]:
+        errors = []
+        if (self.train_path is None) == (self.train is None):
+            errors.append("set data.train_path (one source) or data.train (a list of sources), not both")
+        for i, source in enumerate(self.train or []):
+            if source.fraction <= 0:
+                errors.append(f"data.train[{i}].fraction must be > 0, got {source.fraction}")
+            elif source.fraction > MAX_FRACTION:
+                errors.append(
+                    f"data.train[{i}].fraction={source.fraction:g} repeats the source more than {MAX_FRACTION} times; "
+                    "use train.num_epochs for more passes over the data"
+                )
+        if self.train is not None and not self.train:
+            errors.append("data.train is an empty list; give at least one source")
+        if self.max_length < 8:
+            errors.append(f"data.max_length must be >= 8 tokens, got {self.max_length}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            errors.append(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.eval_path is not None and self.eval_fraction > 0:
+            errors.append("set data.eval_path or data.eval_fraction, not both")
+        if not self.completion_only_loss and not self.train_on_reasoning:
+            errors.append(
+                "data.train_on_reasoning=false keeps reasoning out of the loss, but data.completion_only_loss=false "
+                "trains every token, reasoning included; drop one of the two"
+            )
+        return errors
+
 
 @dataclass(kw_only=True)
 class OptimConfig:
@@ -151,6 +182,25 @@ class OptimConfig:
 
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+
+    def errors(self) -> list[str]:
+        errors = []
+        if self.lr <= 0:
+            errors.append(f"optim.lr must be > 0, got {self.lr}")
+        if self.max_grad_norm < 0:
+            errors.append(f"optim.max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            errors.append(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps < 0:
+            errors.append(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                errors.append(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.adam_eps < 0:
+            errors.append(f"optim.adam_eps must be >= 0, got {self.adam_eps}")
+        if self.weight_decay < 0:
+            errors.append(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        return errors
 
 
 @dataclass(kw_only=True)
@@ -198,6 +248,24 @@ class TrainConfig:
         value = self.activation_checkpointing
         return "full" if value is True else "none" if value is False else value
 
+    def errors(self) -> list[str]:
+        errors = []
+        if (self.max_steps is None) == (self.num_epochs is None):
+            errors.append("set exactly one of train.max_steps and train.num_epochs")
+        if self.max_steps is not None and self.max_steps < 1:
+            errors.append(f"train.max_steps must be >= 1, got {self.max_steps}")
+        if self.num_epochs is not None and self.num_epochs <= 0:
+            errors.append(f"train.num_epochs must be > 0, got {self.num_epochs}")
+        for name in ("micro_batch_size", "gradient_accumulation_steps", "log_every_steps"):
+            if getattr(self, name) < 1:
+                errors.append(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every_steps < 0:
+            errors.append(f"train.eval_every_steps must be >= 0, got {self.eval_every_steps}")
+        steps = self.profile_steps
+        if steps and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
+            errors.append(f"train.profile_steps must be [first, last] with 1 <= first <= last, got {steps}")
+        return errors
+
 
 @dataclass(kw_only=True)
 class OutputConfig:
@@ -221,6 +289,20 @@ class OutputConfig:
     """Adapter runs: also export the base model with the adapter folded in, to `<dir>/final_merged`
     (`finetune export --merge`). `<dir>/final` always holds the adapter itself."""
 
+    def errors(self) -> list[str]:
+        errors = []
+        if not self.dir.strip():
+            errors.append("output.dir is empty; name a folder for this run, e.g. output.dir=outputs/my_run")
+        if self.export_merged and not self.export:
+            errors.append(
+                "output.export_merged=true needs output.export=true (the merged model is written with the final "
+                "export); set output.export=true, or drop export_merged and run `finetune export --merge` later"
+            )
+        unknown = [name for name in self.trackers if name not in TRACKERS]
+        if unknown:
+            errors.append(f"output.trackers names {', '.join(unknown)}; use any of {', '.join(TRACKERS)}")
+        return errors
+
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
@@ -238,6 +320,14 @@ class CheckpointConfig:
     """Write checkpoints in the background (DCP's asynchronous save; FSDP2 with SHARDED_STATE_DICT, full
     fine-tuning): training stops only while the state is copied to host memory. A checkpoint is marked
     complete only once every rank's writes ended, before the next save starts or at the end."""
+
+    def errors(self) -> list[str]:
+        errors = []
+        if self.save_every_steps < 0:
+            errors.append(f"checkpoint.save_every_steps must be >= 0, got {self.save_every_steps}")
+        if self.keep_last < 1:
+            errors.append(f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
+        return errors
 
 
 @dataclass(kw_only=True)
@@ -257,8 +347,9 @@ class PeftConfig:
     """Dropout on each adapter's input, while training."""
 
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    """Linear modules that get adapters, by name (e.g. [q_proj, k_proj, v_proj, o_proj]); [all-linear]
-    for every linear layer but the output head."""
+    """Modules that get adapters, by name (e.g. [q_proj, k_proj, v_proj, o_proj]): linear layers, embeddings
+    (embed_tokens) and GPT-2's Conv1D; [all-linear] (or all-linear, PEFT's spelling) for every linear layer
+    but the output head. A list value may be written as one name."""
 
     use_rslora: bool = False
     """Rank-stabilized scaling alpha / sqrt(r), which keeps high ranks from learning more slowly."""
@@ -268,8 +359,21 @@ class PeftConfig:
 
     quantization: Literal["none", "nf4"] = "none"
     """nf4: QLoRA. The frozen base's linear layers are stored in 4 bits (NormalFloat with double
-    quantization, bitsandbytes), packed in `model.dtype` storage so that FSDP shards them like any
-    weight; they compute in `model.dtype`. none: the base keeps `model.dtype`."""
+    quantization, bitsandbytes), packed in storage of the compute dtype (the accelerate config's mixed
+    precision, else `model.dtype`) so that FSDP shards them like any weight and casts nothing; they
+    compute in that dtype. none: the base keeps `model.dtype`."""
+
+    def errors(self) -> list[str]:
+        errors = []
+        if self.r < 1:
+            errors.append(f"peft.r must be >= 1, got {self.r}")
+        if self.alpha <= 0:
+            errors.append(f"peft.alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            errors.append(f"peft.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules or ("all-linear" in self.target_modules and len(self.target_modules) > 1):
+            errors.append("peft.target_modules must be a list of module names, or [all-linear] alone")
+        return errors
 
 
 @dataclass(kw_only=True)
@@ -283,77 +387,16 @@ class RecipeConfig:
     peft: PeftConfig | None = None
 
     def cross_field_errors(self) -> list[str]:
-        """Problems that involve more than one field, each with its fix."""
+        """Problems that involve more than one section, each with its fix (each section checks its own fields)."""
         errors = []
-        train, data, optim = self.train, self.data, self.optim
-        if (train.max_steps is None) == (train.num_epochs is None):
-            errors.append("set exactly one of train.max_steps and train.num_epochs")
-        if train.max_steps is not None and train.max_steps < 1:
-            errors.append(f"train.max_steps must be >= 1, got {train.max_steps}")
-        if train.num_epochs is not None and train.num_epochs <= 0:
-            errors.append(f"train.num_epochs must be > 0, got {train.num_epochs}")
-        for name in ("micro_batch_size", "gradient_accumulation_steps", "log_every_steps"):
-            if getattr(train, name) < 1:
-                errors.append(f"train.{name} must be >= 1, got {getattr(train, name)}")
-        if train.eval_every_steps < 0:
-            errors.append(f"train.eval_every_steps must be >= 0, got {train.eval_every_steps}")
-        if (data.train_path is None) == (data.train is None):
-            errors.append("set data.train_path (one source) or data.train (a list of sources), not both")
-        for i, source in enumerate(data.train or []):
-            if source.fraction <= 0:
-                errors.append(f"data.train[{i}].fraction must be > 0, got {source.fraction}")
-        if data.train is not None and not data.train:
-            errors.append("data.train is an empty list; give at least one source")
-        if data.max_length < 8:
-            errors.append(f"data.max_length must be >= 8 tokens, got {data.max_length}")
-        if not 0.0 <= data.eval_fraction < 1.0:
-            errors.append(f"data.eval_fraction must be in [0, 1), got {data.eval_fraction}")
-        if data.eval_path is not None and data.eval_fraction > 0:
-            errors.append("set data.eval_path or data.eval_fraction, not both")
-        if optim.lr <= 0:
-            errors.append(f"optim.lr must be > 0, got {optim.lr}")
-        if optim.max_grad_norm < 0:
-            errors.append(f"optim.max_grad_norm must be >= 0 (0 disables clipping), got {optim.max_grad_norm}")
-        if not 0.0 <= optim.min_lr_ratio <= 1.0:
-            errors.append(f"optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio}")
-        steps = self.train.profile_steps
-        if steps and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
-            errors.append(f"train.profile_steps must be [first, last] with 1 <= first <= last, got {steps}")
-        if self.checkpoint.save_every_steps < 0:
-            errors.append(f"checkpoint.save_every_steps must be >= 0, got {self.checkpoint.save_every_steps}")
-        if self.checkpoint.keep_last < 1:
-            errors.append(f"checkpoint.keep_last must be >= 1, got {self.checkpoint.keep_last}")
-        if optim.warmup_steps < 0:
-            errors.append(f"optim.warmup_steps must be >= 0, got {optim.warmup_steps}")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0.0 <= getattr(optim, name) < 1.0:
-                errors.append(f"optim.{name} must be in [0, 1), got {getattr(optim, name)}")
-        if optim.adam_eps < 0:
-            errors.append(f"optim.adam_eps must be >= 0, got {optim.adam_eps}")
-        if optim.weight_decay < 0:
-            errors.append(f"optim.weight_decay must be >= 0, got {optim.weight_decay}")
-        if not self.output.dir.strip():
-            errors.append("output.dir is empty; name a folder for this run, e.g. output.dir=outputs/my_run")
-        if self.peft is not None:
-            errors.extend(self.peft_errors(self.peft))
-        elif self.output.export_merged:
+        steps, max_steps = self.train.profile_steps, self.train.max_steps
+        if len(steps) == 2 and max_steps is not None and steps[0] > max_steps:
+            errors.append(
+                f"train.profile_steps={steps} starts after the last step ({max_steps}), so nothing would be "
+                f"recorded; profile steps within 1..{max_steps}"
+            )
+        if self.peft is None and self.output.export_merged:
             errors.append("output.export_merged applies to adapter runs (a peft section); remove it")
-        unknown = [name for name in self.output.trackers if name not in TRACKERS]
-        if unknown:
-            errors.append(f"output.trackers names {', '.join(unknown)}; use any of {', '.join(TRACKERS)}")
-        return errors
-
-    @staticmethod
-    def peft_errors(peft: PeftConfig) -> list[str]:
-        errors = []
-        if peft.r < 1:
-            errors.append(f"peft.r must be >= 1, got {peft.r}")
-        if peft.alpha <= 0:
-            errors.append(f"peft.alpha must be > 0, got {peft.alpha}")
-        if not 0.0 <= peft.dropout < 1.0:
-            errors.append(f"peft.dropout must be in [0, 1), got {peft.dropout}")
-        if not peft.target_modules or ("all-linear" in peft.target_modules and len(peft.target_modules) > 1):
-            errors.append("peft.target_modules must be a list of module names, or [all-linear] alone")
         return errors
 
     def to_dict(self) -> dict[str, Any]:
@@ -377,7 +420,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RecipeC
     for override in overrides or []:
         _apply_override(raw, override, errors)
     recipe = _build(RecipeConfig, raw, "", errors)
-    if not errors:
+    if recipe is not None and not errors:
         errors.extend(recipe.cross_field_errors())
     if errors:
         plural = "s" if len(errors) > 1 else ""
@@ -402,7 +445,20 @@ def _apply_override(raw: dict, override: str, errors: list[str]) -> None:
         if not isinstance(node, dict):
             errors.append(f"override {override!r}: {part} is not a section")
             return
-    node[leaf] = yaml.safe_load(value) if value else None
+    try:
+        node[leaf] = yaml.safe_load(value) if value else None
+    except yaml.YAMLError as exc:
+        # Text fields take it as written (an inline chat template is not YAML); any other field reports it.
+        node[leaf] = _NotYaml(value, getattr(exc, "problem", None) or " ".join(str(exc).split()))
+
+
+class _NotYaml(str):
+    """An override value YAML cannot read: the text itself for a text field, an error for any other."""
+
+    def __new__(cls, value: str, problem: str) -> _NotYaml:
+        text = super().__new__(cls, value)
+        text.problem = problem
+        return text
 
 
 def _build(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
@@ -419,15 +475,24 @@ def _build(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
             errors.append(f"unknown key {prefix}{key}{hint}")
-    values = {}
+    values, failed, complete = {}, [], True
     for name, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if name in raw:
             values[name] = _coerce(raw[name], hints[name], f"{prefix}{name}", errors)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            if values[name] is _INVALID:
+                failed.append(name)
+                complete = complete and not required
+                del values[name]  # its default stands in, so that the section's other checks still run
+        elif required:
             errors.append(f"missing required key {prefix}{name}")
-    if len(errors) > num_errors_before:
+            complete = False
+    if not complete:
         return None
-    return cls(**values)
+    built = cls(**values)
+    if hasattr(built, "errors"):  # checks within the section; those about a field already reported are left out
+        errors.extend(e for e in built.errors() if not any(f"{prefix}{name}" in e for name in failed))
+    return None if len(errors) > num_errors_before else built
 
 
 _INVALID = object()  # marks a value that failed its check; the error is already recorded
@@ -436,6 +501,12 @@ _INVALID = object()  # marks a value that failed its check; the error is already
 def _coerce(value: Any, hint: Any, name: str, errors: list[str]) -> Any:
     """Check `value` against type `hint`; numbers written as strings (YAML reads 1e-5 as one) are converted."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    takes_text = hint is str or (origin in (typing.Union, types.UnionType) and str in args)
+    if isinstance(value, _NotYaml) and not takes_text:
+        errors.append(f"{name}={value!s} is not valid YAML ({value.problem}); quote it or fix its brackets")
+        return _INVALID
+    if isinstance(value, _NotYaml):
+        value = str(value)
     if dataclasses.is_dataclass(hint):
         built = _build(hint, value, name + ".", errors)
         return _INVALID if built is None else built
@@ -453,6 +524,8 @@ def _coerce(value: Any, hint: Any, name: str, errors: list[str]) -> Any:
         built = [_build(args[0], item, f"{name}[{i}].", errors) for i, item in enumerate(value)]
         return _INVALID if None in built else built
     if origin is list:
+        if isinstance(value, str) and args[0] is str:
+            value = [value]  # one name for a list of names (PEFT's own `target_modules="all-linear"`)
         if isinstance(value, list) and all(isinstance(v, args[0]) for v in value):
             return value
         errors.append(f"{name} must be a list of {args[0].__name__}, got {value!r}")

@@ -77,6 +77,8 @@ def export_checkpoint(
     """
     checkpoint = find_checkpoint(checkpoint)
     _check_out_dir(out_dir, overwrite, checkpoint)
+    if merge:
+        _check_not_the_base(out_dir, checkpoint)
     problem = checkpoint_problem(checkpoint, resuming=False)
     if problem is not None:
         raise FinetuneError(f"checkpoint {checkpoint} is damaged ({problem}); export an earlier checkpoint")
@@ -469,9 +471,25 @@ def _check_out_dir(out_dir: Path, overwrite: bool, checkpoint: Path) -> None:
         )
     if out_dir.exists() and not out_dir.is_dir():
         raise FinetuneError(f"export folder {out_dir} is a file; pass a folder path")
+    if (out_dir / "checkpoints").is_dir() or (out_dir / "recipe.yaml").is_file():
+        raise FinetuneError(
+            f"export folder {out_dir} is a training run's output folder (it holds checkpoints or a recipe.yaml), "
+            "which --overwrite would delete; export into a folder of its own, e.g. <output.dir>/final"
+        )
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         holds = "a model" if (out_dir / "config.json").exists() else "files"
         raise FinetuneError(f"export folder {out_dir} already holds {holds}; pass --overwrite or another folder")
+
+
+def _check_not_the_base(out_dir: Path, checkpoint: Path) -> None:
+    """A merge reads the base model the adapter names: writing over it would destroy what the adapter needs."""
+    config = checkpoint / MODEL_FILES / "adapter_config.json"
+    base = json.loads(config.read_text()).get("base_model_name_or_path") if config.is_file() else None
+    if base and Path(base).expanduser().is_dir() and Path(base).expanduser().resolve() == out_dir.resolve():
+        raise FinetuneError(
+            f"export folder {out_dir} is the base model the adapter is merged into, which writing there would "
+            "replace; export the merged model to another folder"
+        )
 
 
 def _make_partial(out_dir: Path) -> Path:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from finetune.config import RecipeConfig
 from finetune.errors import FinetuneError, first_line
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "ddp")
@@ -44,6 +45,8 @@ class Launch:
     """fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP."""
     wrap_classes: tuple[str, ...]
     """Layer classes FSDP wraps one unit each; empty: the model's `_no_split_modules`."""
+    state_dict_type: str = "SHARDED_STATE_DICT"
+    """fsdp_state_dict_type: how checkpoints hold the model (FULL_STATE_DICT or SHARDED_STATE_DICT)."""
 
     @property
     def processes_per_machine(self) -> int:
@@ -114,6 +117,7 @@ def read_launch(
         hybrid_shard_size=_hybrid_shard_size(raw),
         wrap_policy=str(fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")),
         wrap_classes=tuple(name.strip() for name in str(wrap).split(",") if name.strip()),
+        state_dict_type=str(fsdp.get("fsdp_state_dict_type", default_state_dict_type(fsdp_version))),
     )
     problems = launch_problems(launch, raw, environ, for_launch)
     if problems:
@@ -227,3 +231,48 @@ def check_hybrid_shard_group(world_size: int, local_world_size: int, devices_per
             f"{devices_per_machine} do not divide them into whole machines; launch {devices_per_machine} processes "
             f"per machine (NUM_PROCESSES = {devices_per_machine} x NUM_MACHINES) or set CUDA_VISIBLE_DEVICES to match"
         )
+
+
+def default_state_dict_type(fsdp_version: int) -> str:
+    """accelerate's default fsdp_state_dict_type: FULL under FSDP1, SHARDED under FSDP2."""
+    return "FULL_STATE_DICT" if fsdp_version == 1 else "SHARDED_STATE_DICT"
+
+
+def recipe_launch_problems(
+    recipe: RecipeConfig, *, fsdp_version: int, rank_zero_loading: bool, state_dict_type: str
+) -> list[str]:
+    """What a recipe cannot do under a launch (`fsdp_version` 0: DDP or one process), each with its fix.
+    The one list that `finetune check` and training's preflight both refuse, before anything loads."""
+    problems = []
+    if recipe.peft is not None and fsdp_version == 1:
+        # FSDP1 flattens a layer's frozen and trainable parameters into one buffer (use_orig_params) and keeps
+        # gradient memory for all of it.
+        problems.append(
+            "adapters (peft) train under FSDP2, DDP or one process, not FSDP1; launch with "
+            "accelerate_configs/fsdp2_full_shard.yaml (or another FSDP2 config)"
+        )
+    if recipe.peft is not None and fsdp_version and rank_zero_loading:
+        # Rank-0 loading would have to broadcast adapters created on the meta device: not proven here.
+        problems.append(
+            "adapters (peft) do not support rank-0 loading yet; set fsdp_cpu_ram_efficient_loading: false in the "
+            "accelerate config"
+        )
+    sharded = fsdp_version == 2 and state_dict_type.upper() == "SHARDED_STATE_DICT"
+    if recipe.checkpoint.async_save and (not sharded or recipe.peft is not None):
+        problems.append(
+            "checkpoint.async_save needs full fine-tuning under FSDP2 with fsdp_state_dict_type: SHARDED_STATE_DICT "
+            "(e.g. accelerate_configs/fsdp2_full_shard.yaml); set checkpoint.async_save=false for this launch"
+        )
+    return problems
+
+
+def environment_problems(recipe: RecipeConfig, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """`recipe_launch_problems` for the launch this process was started by (accelerate's environment)."""
+    fsdp = environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    version = int(environ.get("FSDP_VERSION", "1")) if fsdp else 0
+    return recipe_launch_problems(
+        recipe,
+        fsdp_version=version,
+        rank_zero_loading=fsdp and environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true",
+        state_dict_type=environ.get("FSDP_STATE_DICT_TYPE", default_state_dict_type(version)),
+    )

@@ -8,6 +8,7 @@ per-micro-batch means would weight short and long batches differently.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -60,6 +61,7 @@ from finetune.distributed import (
 from finetune.errors import FinetuneError
 from finetune.evaluate import evaluate
 from finetune.flops import ModelFlops, model_flops, peak_flops
+from finetune.launch import environment_problems
 from finetune.loss import LossPath, batch_loss, choose_loss_path
 from finetune.memory import MemoryProbe, format_reports, gather_reports, memory_metrics
 from finetune.metrics import MetricsLogger
@@ -138,13 +140,15 @@ def preflight(recipe: RecipeConfig) -> Path | None:
     )  # fmt: skip
     check_sources(recipe.data)
     check_max_length(recipe.model, recipe.data.max_length)
-    if recipe.peft is not None:
-        from finetune.adapters import check_adapter_launch  # imports peft (2 s): adapter runs only
-
-        check_adapter_launch(recipe.peft.quantization, recipe.model.dtype)
+    problems = environment_problems(recipe)
+    if problems:
+        raise FinetuneError("; ".join(problems))
     if resume_from is not None:
         check_resume_kind(resume_from, adapters=recipe.peft is not None)
         if recipe.peft is not None:
+            from finetune.adapters import check_resume_adapters  # imports peft (2 s): adapter runs only
+
+            check_resume_adapters(resume_from, recipe.peft)
             check_resume_base(resume_from, recipe.model.name_or_path, _base_fingerprint(recipe))
     return resume_from
 
@@ -174,9 +178,9 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
     started_on_meta = rank_zero_loading() and not accelerator.is_main_process
     quantization = None
     if recipe.peft is not None and recipe.peft.quantization == "nf4":
-        from finetune.adapters import quantization_config
+        from finetune.adapters import quantization_config, storage_dtype
 
-        quantization = quantization_config(DTYPES[recipe.model.dtype])
+        quantization = quantization_config(storage_dtype(DTYPES[recipe.model.dtype], str(accelerator.mixed_precision)))
     model = load_model(
         recipe.model,
         policy,
@@ -192,7 +196,7 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
         base = _base_fingerprint(recipe)
         if resume_from is not None:
             check_resume_base(resume_from, recipe.model.name_or_path, base)
-        adapters = {**peft_adapters.adapter_record(model), "base": base}
+        adapters = {**peft_adapters.adapter_record(model), "base": base, "settings": dataclasses.asdict(recipe.peft)}
     names = tensor_names(model)  # before FSDP renames or flattens anything; saved with every checkpoint
     data = build_data(
         recipe.data, tokenizer, accelerator, seed=recipe.train.seed, micro_batch_size=recipe.train.micro_batch_size
@@ -217,6 +221,12 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
         raise FinetuneError(
             f"checkpoint {resume_from} is at step {step_of(resume_from)}, past the {max_steps} steps of "
             f"train.num_epochs={recipe.train.num_epochs}; raise train.num_epochs to continue"
+        )
+    profiled = recipe.train.profile_steps
+    if profiled and profiled[0] > max_steps:  # num_epochs runs learn max_steps only here
+        raise FinetuneError(
+            f"train.profile_steps={profiled} starts after the last step ({max_steps} steps of train.num_epochs="
+            f"{recipe.train.num_epochs}), so nothing would be recorded; profile steps within 1..{max_steps}"
         )
     scheduler = build_scheduler(optimizer.optimizer, recipe.optim, max_steps)
     write_model_files = functools.partial(save_model_files, accelerator.unwrap_model(model), tokenizer, adapters)

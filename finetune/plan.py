@@ -36,7 +36,7 @@ from transformers import PreTrainedModel
 
 from finetune.config import RecipeConfig
 from finetune.errors import FinetuneError
-from finetune.launch import STRATEGIES, Launch
+from finetune.launch import STRATEGIES, Launch, recipe_launch_problems
 from finetune.model import DTYPES, load_model_config, meta_model
 
 if TYPE_CHECKING:
@@ -336,6 +336,12 @@ def check(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     meta device from its config, its wrap classes are found in it, and the memory plan is given.
     Problems raise FinetuneError; a plan that does not fit is reported, not refused (it is an estimate).
     """
+    problems = recipe_launch_problems(
+        recipe, fsdp_version=launch.fsdp_version if launch.strategy != "ddp" else 0,
+        rank_zero_loading=launch.cpu_ram_efficient_loading, state_dict_type=launch.state_dict_type,
+    )  # fmt: skip
+    if problems:
+        raise FinetuneError(f"cannot train with {launch.config_path}: " + "; ".join(problems))
     model = planned_model(recipe)
     shape = model_shape(model)
     source = recipe.model.config_file or recipe.model.name_or_path

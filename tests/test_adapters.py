@@ -20,12 +20,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from finetune import demo
-from finetune.adapters import add_adapters, check_adapter_launch, quantization_config
+from finetune.adapters import add_adapters, quantization_config, storage_dtype
 from finetune.checkpoint import ADAPTER_STATE, MARKER, MODEL_FILES, check_resume_kind, trained_base
 from finetune.config import PeftConfig, load_recipe
 from finetune.errors import FinetuneError
 from finetune.export import export_checkpoint
-from finetune.launch import read_launch
+from finetune.launch import environment_problems, read_launch
 from finetune.model import load_model, weights_fingerprint
 from finetune.plan import estimate, model_shape, planned_model
 
@@ -311,21 +311,18 @@ def test_bad_adapter_input_names_the_fix(demo_assets, tmp_path, monkeypatch):
     tied = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, tie_word_embeddings=True))
     with pytest.raises(FinetuneError, match="whose input and output embeddings are tied"):
         add_adapters(tied, PeftConfig(modules_to_save=["lm_head"]))
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    monkeypatch.setenv("FSDP_VERSION", "1")
-    with pytest.raises(FinetuneError, match="not FSDP1; launch with accelerate_configs/fsdp2_full_shard.yaml"):
-        check_adapter_launch()
-    monkeypatch.setenv("FSDP_VERSION", "2")
-    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
-    with pytest.raises(FinetuneError, match="fsdp_cpu_ram_efficient_loading: false"):
-        check_adapter_launch()
-    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
-    with pytest.raises(
-        FinetuneError, match="QLoRA under FSDP with bfloat16 mixed precision needs model.dtype: bfloat16"
-    ):
-        check_adapter_launch("nf4", "float32")
-    check_adapter_launch("nf4", "bfloat16")
+    recipe = load_recipe(DEMO_RECIPE, ["peft.r=4"])
+    environ = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}
+    (problem,) = environment_problems(recipe, environ)
+    assert "not FSDP1; launch with accelerate_configs/fsdp2_full_shard.yaml" in problem
+    environ.update(FSDP_VERSION="2", FSDP_CPU_RAM_EFFICIENT_LOADING="true")
+    (problem,) = environment_problems(recipe, environ)
+    assert "fsdp_cpu_ram_efficient_loading: false" in problem
+    # QLoRA under bf16 compute packs its 4-bit weights in bf16 whatever model.dtype is: no refusal, the dtype chosen
+    environ.update(FSDP_CPU_RAM_EFFICIENT_LOADING="false", ACCELERATE_MIXED_PRECISION="bf16")
+    assert environment_problems(load_recipe(DEMO_RECIPE, ["peft.quantization=nf4"]), environ) == []
+    assert storage_dtype(torch.float32, "bf16") == torch.bfloat16
+    assert storage_dtype(torch.float32, "no") == torch.float32
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if it were not installed
     with pytest.raises(FinetuneError, match="peft.quantization=nf4 needs bitsandbytes; install it"):
         quantization_config(torch.bfloat16)
