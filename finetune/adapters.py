@@ -50,6 +50,7 @@ def add_adapters(model: PreTrainedModel, cfg: PeftConfig) -> PeftModel:
             f"peft.target_modules={cfg.target_modules} cannot be applied ({first_line(exc)}); the model's linear "
             f"modules are: {', '.join(linear)} (or use [all-linear])"
         ) from None
+    _check_mergeable(adapted)
     if getattr(model, "is_activation_checkpointing", False):
         # With the embeddings frozen, checkpointed layers would get inputs that do not require grad.
         adapted.enable_input_require_grads()
@@ -79,6 +80,26 @@ def check_adapter_targets(model: PreTrainedModel, cfg: PeftConfig) -> None:
             f"peft names {', '.join(touched)} of {type(model).__name__}, whose input and output embeddings are tied "
             "(one matrix): an adapter or trained copy of one side would untie them, and no merged model could "
             "compute what trained; leave the embeddings out of peft.target_modules and peft.modules_to_save"
+        )
+
+
+# The layers whose adapters `finetune.merge` folds in exactly (Conv1D: GPT-2's transposed linear layers).
+_MERGEABLE = ("Linear", "Linear4bit", "Embedding", "Conv1D")
+
+
+def _check_mergeable(model: PeftModel) -> None:
+    """Adapters only on layers whose merge finetune computes (PEFT also adapts convolutions and attention
+    modules, whose merged export would be wrong); refused before training, not after."""
+    from peft.tuners.lora import LoraLayer
+
+    others = sorted(
+        {f"{name} ({type(m.get_base_layer()).__name__})" for name, m in model.named_modules()
+         if isinstance(m, LoraLayer) and type(m.get_base_layer()).__name__ not in _MERGEABLE}
+    )  # fmt: skip
+    if others:
+        raise FinetuneError(
+            f"peft.target_modules reaches {', '.join(others[:3])}: adapters train on linear, Conv1D and embedding "
+            "layers only; leave these out of peft.target_modules"
         )
 
 

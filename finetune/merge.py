@@ -27,6 +27,10 @@ from finetune.errors import FinetuneError, first_line
 from finetune.export import CheckpointWeights, _SafetensorsWeights, adapter_tensors
 
 _PREFIX = "base_model.model."  # PEFT's prefix of every saved adapter key
+_TRANSPOSED = ("Conv1D", "Embedding")
+# PEFT's names of an adapter's parts (an embedding's low-rank pair has names of its own) -> the part merged.
+_PARTS = {"lora_A": "lora_A", "lora_B": "lora_B", "lora_embedding_A": "lora_A", "lora_embedding_B": "lora_B",
+          "lora_magnitude_vector": "lora_magnitude_vector"}  # fmt: skip
 
 
 def merged_weights(checkpoint: Path, onto: str = "dequantized") -> tuple[CheckpointWeights, list[list[str]]]:
@@ -41,13 +45,19 @@ def merged_weights(checkpoint: Path, onto: str = "dequantized") -> tuple[Checkpo
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise FinetuneError(f"checkpoint {checkpoint} has per-module ranks or alphas, which --merge does not fold")
     model = meta_model(AutoConfig.from_pretrained(checkpoint / MODEL_FILES))
-    # GPT-2 style Conv1D layers store (in, out): their update is transposed, as PEFT's fan_in_fan_out does.
-    transposed = {name for name, module in model.named_modules() if type(module).__name__ == "Conv1D"}
+    transposed = transposed_layers(model)
     base = _base_weights(config["base_model_name_or_path"], trained_base(checkpoint))
     record = json.loads((checkpoint / MODEL_FILES / ADAPTER_RECORD).read_text())
     quantized = record.get("quantized") if onto == "dequantized" else None
     merged = MergedWeights(base, adapter_tensors(checkpoint), config, transposed, quantized)
     return merged, tensor_names(model)
+
+
+def transposed_layers(model: torch.nn.Module) -> set[str]:
+    """The layers whose adapter update is transposed: GPT-2 style Conv1D layers store (in, out), and embeddings
+    (tokens, width) with their adapter's B @ A as (width, tokens); DoRA's magnitude is then per column (PEFT's
+    fan_in_fan_out)."""
+    return {name for name, module in model.named_modules() if type(module).__name__ in _TRANSPOSED}
 
 
 class MergedWeights(CheckpointWeights):
@@ -69,13 +79,22 @@ class MergedWeights(CheckpointWeights):
         self.replaced: dict[str, torch.Tensor] = {}  # modules_to_save: trained in full
         for key, tensor in adapter.items():
             name = key.removeprefix(_PREFIX)
-            for part in ("lora_A", "lora_B", "lora_magnitude_vector"):
-                module, found, _ = name.partition(f".{part}")
-                if found:
-                    self.parts.setdefault(f"{module}.weight", {})[part] = tensor
+            for part, merged_as in _PARTS.items():
+                module, found, rest = name.partition(f".{part}")
+                if found and rest in ("", ".weight"):
+                    self.parts.setdefault(f"{module}.weight", {})[merged_as] = tensor
                     break
             else:
                 self.replaced[name] = tensor
+        if self.as_trained:
+            try:
+                import bitsandbytes  # noqa: F401
+            except ImportError:
+                raise FinetuneError(
+                    "this adapter trained on a 4-bit (QLoRA) base, and merging onto that base as training saw it "
+                    "needs bitsandbytes: install it (pip install 'bitsandbytes~=0.50.0'), or pass --merge-onto "
+                    "original to merge onto the original weights"
+                ) from None
         unknown = sorted(set(self.parts) - set(self.shapes))
         if unknown:
             raise FinetuneError(
@@ -111,16 +130,21 @@ class MergedWeights(CheckpointWeights):
         return bnb.dequantize_4bit(packed, state).float()
 
     def _merge(self, name: str, weight: torch.Tensor) -> torch.Tensor:
-        """PEFT's Linear.merge in fp32: W + delta for LoRA; m / ||W + delta||_row * (W + delta) for DoRA."""
+        """PEFT's merge in fp32, for a Linear, Conv1D or Embedding layer: W + delta for LoRA; for DoRA that
+        rescaled to the trained magnitude m over the norm of each output feature, m / ||W + delta|| * (W + delta),
+        where an output feature is a row of a Linear's weight and a column of the (transposed) others'."""
         parts = self.parts[name]
         delta = (parts["lora_B"].float() @ parts["lora_A"].float()) * self.scaling
-        if name.removesuffix(".weight") in self.transposed:
+        transposed = name.removesuffix(".weight") in self.transposed
+        if transposed:
             delta = delta.T
         if "lora_magnitude_vector" not in parts:
             return weight + delta
-        norm = torch.linalg.norm(weight + 1 * delta, dim=1).to(weight.dtype)
+        # The norm as PEFT takes it: over each output feature's row of the (out, in) view.
+        rows = (weight.T + delta.T) if transposed else (weight + 1 * delta)
+        norm = torch.linalg.norm(rows, dim=1).to(weight.dtype)
         factor = parts["lora_magnitude_vector"].float() / norm
-        return factor.view(-1, 1) * (weight + delta)
+        return factor.view(1, -1) * (weight + delta) if transposed else factor.view(-1, 1) * (weight + delta)
 
 
 def _base_weights(name_or_path: str, trained_on: str | None) -> CheckpointWeights:
@@ -131,15 +155,13 @@ def _base_weights(name_or_path: str, trained_on: str | None) -> CheckpointWeight
         from huggingface_hub import snapshot_download
 
         try:
-            folder = Path(snapshot_download(name_or_path, allow_patterns=["*.safetensors", "*.json"]))
+            folder = Path(snapshot_download(name_or_path, allow_patterns=["model*.safetensors", "*.json"]))
         except Exception as exc:  # offline, gated, missing: the hub raises many types
             raise FinetuneError(
                 f"the base model {name_or_path!r} that the adapter names is not available ({first_line(exc)}); "
                 "export without --merge, or make the base model reachable (a local folder or the hub cache)"
             ) from None
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FinetuneError(f"the base model folder {folder} holds no safetensors weights to merge the adapter into")
+    files = model_weight_files(folder)
     from finetune.model import weights_fingerprint
 
     if trained_on is not None and weights_fingerprint(folder) != trained_on:
@@ -149,3 +171,25 @@ def _base_weights(name_or_path: str, trained_on: str | None) -> CheckpointWeight
             "on, or export without --merge"
         )
     return _SafetensorsWeights(files)
+
+
+def model_weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of the model in `folder`, as transformers reads them: those its index names, else
+    `model.safetensors`; other safetensors beside them (an adapter, consolidated or original copies) are not
+    the model's."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [name for name in names if not (folder / name).is_file()]
+        if missing:
+            raise FinetuneError(
+                f"the base model folder {folder} lacks {', '.join(missing[:3])}, which its index names; download "
+                "the model again"
+            )
+        return [folder / name for name in names]
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    raise FinetuneError(
+        f"the base model folder {folder} holds no model.safetensors (or index) to merge the adapter into; save the "
+        "base with save_pretrained (safetensors), or export without --merge"
+    )
