@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from pathlib import Path
 
 import datasets
 import pytest
@@ -23,6 +24,8 @@ from finetune.data import (
 )
 from finetune.data.tokenize import _tokenize_batch, encode_prompt_completions, encode_texts
 from finetune.errors import FinetuneError
+
+REPO_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo" / "tiny_llama.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +264,10 @@ def test_a_mixture_of_sources_is_mapped_sampled_counted_and_seeded(tmp_path, tok
     """data.train: a chat source under another column name, taken twice, and a prompt/completion source, a
     quarter of it; each counted in the log; the mixed order depends on the seed only."""
     from finetune.config import SourceConfig
-    from finetune.data.sources import load_source
+    from finetune.data.sources import load_source, take_fraction
+
+    def load(source, seed):
+        return take_fraction(load_source(source), source, seed)
 
     chats = tmp_path / "chats.jsonl"
     datasets.Dataset.from_list(
@@ -276,15 +282,15 @@ def test_a_mixture_of_sources_is_mapped_sampled_counted_and_seeded(tmp_path, tok
         SourceConfig(path=str(pairs), fraction=0.25),
     ]
     cfg = DataConfig(train=sources, max_length=32, packing=False)
-    mixture = [(source, load_source(source, seed=3)) for source in cfg.sources()]
+    mixture = [(source, load(source, seed=3)) for source in cfg.sources()]
     rows, stats = prepare_split(mixture, tokenizer, cfg, seed=3)
     assert [s.num_samples for _, s in stats.sources] == [20, 10] and stats.num_samples == len(rows) == 30
     lines = stats.describe("train data").splitlines()
     assert lines[0].startswith("train data: 30 samples") and lines[1].startswith(f"  {chats}: 20 samples")
-    again, _ = prepare_split([(s, load_source(s, seed=3)) for s in sources], tokenizer, cfg, seed=3)
+    again, _ = prepare_split([(s, load(s, seed=3)) for s in sources], tokenizer, cfg, seed=3)
     assert again["input_ids"] == rows["input_ids"]
-    other = load_source(sources[1], seed=4)["prompt"]
-    assert sorted(other) != sorted(load_source(sources[1], seed=3)["prompt"])  # another seed, another quarter
+    other = load(sources[1], seed=4)["prompt"]
+    assert sorted(other) != sorted(load(sources[1], seed=3)["prompt"])  # another seed, another quarter
 
 
 def test_bad_mixtures_name_the_source(tmp_path, tokenizer):
@@ -303,11 +309,11 @@ def test_bad_mixtures_name_the_source(tmp_path, tokenizer):
     data = tmp_path / "chats.jsonl"
     datasets.Dataset.from_list([{"messages": chat(("user", "q"))}]).to_json(str(data))
     with pytest.raises(FinetuneError, match=f"data.train source {data} has no column conversations"):
-        load_source(SourceConfig(path=str(data), columns={"messages": "conversations"}), seed=0)
+        load_source(SourceConfig(path=str(data), columns={"messages": "conversations"}))
     source = SourceConfig(path=str(data))
     cfg = DataConfig(train=[source, source], max_length=32)
     with pytest.raises(FinetuneError, match=f"data.train source {data}: sample 0 has no assistant message"):
-        prepare_split([(s, load_source(s, seed=0)) for s in cfg.sources()], tokenizer, cfg, seed=0)
+        prepare_split([(s, load_source(s)) for s in cfg.sources()], tokenizer, cfg, seed=0)
 
 
 def test_large_data_is_tokenized_in_parallel_with_the_same_result(tokenizer, monkeypatch):
@@ -325,3 +331,76 @@ def test_large_data_is_tokenized_in_parallel_with_the_same_result(tokenizer, mon
     assert tokenize_module.map_processes(len(data)) == 6
     parallel = tokenize(data, tokenizer, cfg)
     assert parallel.to_dict() == serial.to_dict()
+
+
+def write_chats(path, count: int, bad: int | None = None) -> None:
+    """`count` distinct conversations as JSON Lines; sample `bad` (if any) has no assistant reply."""
+    samples = [chat(("user", f"reverse: {i} 5"), ("assistant", f"5 {i}")) for i in range(count)]
+    if bad is not None:
+        samples[bad] = chat(("user", "nothing answers this"))
+    path.write_text("".join(json.dumps({"messages": messages}) + "\n" for messages in samples))
+
+
+def built(cfg: DataConfig, tokenizer):
+    from accelerate import Accelerator
+
+    from finetune.data import build_data
+
+    return build_data(cfg, tokenizer, Accelerator(cpu=True), seed=0, micro_batch_size=1)
+
+
+def test_held_out_samples_are_held_out_before_a_source_is_repeated(tmp_path, tokenizer):
+    from finetune.config import SourceConfig
+
+    write_chats(tmp_path / "chats.jsonl", 200)
+    source = SourceConfig(path=str(tmp_path / "chats.jsonl"), fraction=2)
+    data = built(DataConfig(train=[source], eval_fraction=0.2, max_length=32, packing=False), tokenizer)
+    trained = [tuple(ids) for ids in data.train_loader.dataset["input_ids"]]
+    held_out = {tuple(ids) for ids in data.eval_loader.dataset["input_ids"]}
+    assert len(held_out) == 40 and len(trained) == 320 and len(set(trained)) == 160
+    assert not held_out & set(trained)
+
+
+def test_fractions_and_held_out_shares_that_cannot_be_built_are_refused(tmp_path, tokenizer, monkeypatch):
+    from finetune.config import ConfigError, SourceConfig, load_recipe
+    from finetune.data import sources
+
+    with pytest.raises(ConfigError, match=r"fraction=1e\+09 repeats the source more than 1000 times"):
+        load_recipe(REPO_RECIPE, ["data.train_path=", "data.train=[{path: a.jsonl, fraction: 1e9}]"])
+    write_chats(tmp_path / "chats.jsonl", 50)
+    monkeypatch.setattr(sources, "MAX_SOURCE_SAMPLES", 1000)
+    source = SourceConfig(path=str(tmp_path / "chats.jsonl"), fraction=999)
+    with pytest.raises(FinetuneError, match="fraction=999 of its 50 samples makes 49,950, more than 1,000"):
+        built(DataConfig(train=[source], max_length=32), tokenizer)
+    write_chats(tmp_path / "one.jsonl", 1)
+    with pytest.raises(FinetuneError, match=r"one.jsonl has 1 sample\(s\): holding out data.eval_fraction=0.1"):
+        built(DataConfig(train_path=str(tmp_path / "one.jsonl"), eval_fraction=0.1, max_length=32), tokenizer)
+
+
+def test_a_subset_of_local_data_is_its_subfolder_or_refused(tmp_path, tokenizer):
+    from finetune.config import SourceConfig
+    from finetune.data.sources import check_sources, load_source
+
+    for name, count in (("math", 3), ("code", 5)):
+        (tmp_path / "mix" / name).mkdir(parents=True)
+        write_chats(tmp_path / "mix" / name / "train.jsonl", count)
+    assert len(load_source(SourceConfig(path=str(tmp_path / "mix"), subset="code"))) == 5
+    assert len(load_source(SourceConfig(path=str(tmp_path / "mix")))) == 8
+    missing = DataConfig(train=[SourceConfig(path=str(tmp_path / "mix"), subset="science")], max_length=32)
+    with pytest.raises(FinetuneError, match="subset='science' .* its subfolders: code, math; name an existing"):
+        check_sources(missing)
+    on_file = SourceConfig(path=str(tmp_path / "mix" / "math" / "train.jsonl"), subset="math")
+    with pytest.raises(FinetuneError, match="is local data and it has no subfolders"):
+        check_sources(DataConfig(train=[on_file], max_length=32))
+
+
+def test_data_errors_name_the_sample_by_its_place_in_its_file_and_say_which_data(tmp_path, tokenizer):
+    write_chats(tmp_path / "train.jsonl", 30, bad=17)
+    cfg = DataConfig(train_path=str(tmp_path / "train.jsonl"), eval_fraction=0.5, max_length=32)
+    with pytest.raises(FinetuneError, match=r"train.jsonl: sample 17 has no assistant message"):
+        built(cfg, tokenizer)  # the split shuffled the samples: the error still names the file's 17th
+    write_chats(tmp_path / "good.jsonl", 30)
+    write_chats(tmp_path / "eval.jsonl", 10, bad=4)
+    cfg = DataConfig(train_path=str(tmp_path / "good.jsonl"), eval_path=str(tmp_path / "eval.jsonl"), max_length=32)
+    with pytest.raises(FinetuneError, match=r"^data.eval_path .*eval.jsonl: sample 4 has no assistant message"):
+        built(cfg, tokenizer)

@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from finetune.config import DataConfig, SourceConfig
 from finetune.data.chat import encode_chats
 from finetune.data.pack import collate_packed, collate_padded, pack
-from finetune.data.sources import check_sources, load_source, load_split
+from finetune.data.sources import check_sources, hold_out, load_source, load_split, numbered, take_fraction
 from finetune.data.tokenize import IGNORE, detect_format, tokenize
 from finetune.distributed import main_process_first
 from finetune.errors import FinetuneError
@@ -78,11 +78,14 @@ def prepare_split(
     tokenizer: PreTrainedTokenizerBase,
     cfg: DataConfig,
     seed: int,
+    evaluation: bool = False,
 ) -> tuple[datasets.Dataset, DataStats]:
     """Tokenize (each source of a mixture with its own format), drop samples left with nothing to
     train on, mix, and pack (after a seeded shuffle) if asked."""
     parts = raw if isinstance(raw, list) else [(None, raw)]
-    tokenized = [(source, tokenize(dataset, tokenizer, cfg, source)) for source, dataset in parts]
+    tokenized = [
+        (source, tokenize(dataset, tokenizer, cfg, _where(source, cfg, evaluation))) for source, dataset in parts
+    ]
     every = tokenized[0][1] if len(tokenized) == 1 else datasets.concatenate_datasets([t for _, t in tokenized])
     kept = every.filter(lambda counts: [n > 0 for n in counts], input_columns="num_targets", batched=True)
     if len(kept) == 0:
@@ -95,6 +98,15 @@ def prepare_split(
     per_source = tuple((source, _stats(t, cfg)) for source, t in tokenized) if len(tokenized) > 1 else ()
     stats = dataclasses.replace(_stats(every, cfg), num_rows=len(rows), sources=per_source)
     return rows, stats
+
+
+def _where(source: SourceConfig | None, cfg: DataConfig, evaluation: bool = False) -> str | None:
+    """How data errors name a source: the recipe key that holds it, and whether it is evaluation data."""
+    if source is None:
+        return None
+    if evaluation:
+        return f"data.eval_path {source.path}" if cfg.eval_path else f"held-out eval samples of {source.path}"
+    return f"data.train source {source.path}" if cfg.train is not None else f"data.train_path {source.path}"
 
 
 def _stats(tokenized: datasets.Dataset, cfg: DataConfig) -> DataStats:
@@ -129,17 +141,19 @@ def build_data(
     """Train and eval dataloaders (not yet prepared). The main process tokenizes first; the others hit its cache."""
 
     def load_and_prepare():
-        train_raw = [(source, load_source(source, seed)) for source in cfg.sources()]
-        eval_raw = load_split(cfg.eval_path, cfg.eval_split) if cfg.eval_path else None
-        if eval_raw is None and cfg.eval_fraction > 0:
-            held_out = []
+        train_raw = [(source, load_source(source)) for source in cfg.sources()]
+        eval_raw = None
+        if cfg.eval_path:
+            eval_raw = [(SourceConfig(path=cfg.eval_path), numbered(load_split(cfg.eval_path, cfg.eval_split)))]
+        elif cfg.eval_fraction > 0:
+            eval_raw = []
             for i, (source, dataset) in enumerate(train_raw):  # the same fraction of every source
-                split = dataset.train_test_split(test_size=cfg.eval_fraction, seed=seed)
-                train_raw[i] = (source, split["train"])
-                held_out.append((source, split["test"]))
-            eval_raw = held_out if len(held_out) > 1 else held_out[0][1]
-        train = prepare_split(train_raw if len(train_raw) > 1 else train_raw[0][1], tokenizer, cfg, seed)
-        return train, prepare_split(eval_raw, tokenizer, cfg, seed) if eval_raw is not None else (None, None)
+                train_part, held_out = hold_out(dataset, cfg.eval_fraction, seed, _where(source, cfg))
+                train_raw[i] = (source, train_part)
+                eval_raw.append((source, held_out))
+        train_raw = [(source, take_fraction(dataset, source, seed)) for source, dataset in train_raw]
+        train = prepare_split(train_raw, tokenizer, cfg, seed)
+        return train, prepare_split(eval_raw, tokenizer, cfg, seed, evaluation=True) if eval_raw else (None, None)
 
     (train_rows, train_stats), (eval_rows, eval_stats) = main_process_first(accelerator, load_and_prepare)
     needed = micro_batch_size * accelerator.num_processes

@@ -7,9 +7,11 @@ a file that cannot be read is reported with the file and line where it stops bei
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import datasets
+import numpy
 
 from finetune.config import DataConfig, SourceConfig
 from finetune.data.chat import read_chat_template
@@ -21,10 +23,10 @@ LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": 
 def check_sources(cfg: DataConfig) -> None:
     """What can be checked of the data before anything loads: local paths exist, hold one supported
     file type, and are not empty; splits are named only where there are splits to choose."""
-    named = [(source.path, source.split, "train") for source in cfg.sources()] + [
-        (cfg.eval_path, cfg.eval_split, "eval")
+    named = [(source.path, source.split, "train", source.subset) for source in cfg.sources()] + [
+        (cfg.eval_path, cfg.eval_split, "eval", None)
     ]
-    for path, split, key in named:
+    for path, split, key, subset in named:
         if path is None:
             continue
         local = Path(path).expanduser()
@@ -33,7 +35,7 @@ def check_sources(cfg: DataConfig) -> None:
             continue  # a hub dataset id
         if not local.exists():
             raise FinetuneError(f"data.{key}_path {path} does not exist; point it at a data file or folder")
-        local_files(local)  # raises for unsupported, mixed or empty
+        local_files(local_subset(local, subset))  # raises for unsupported, mixed or empty
         if split != "train":
             raise FinetuneError(
                 f"data.{key}_split={split!r} has no effect on local data {path}, which is one split; point "
@@ -58,29 +60,83 @@ def local_files(path: Path) -> tuple[str, list[str]]:
     return kinds.pop(), [str(p) for p in files]
 
 
+def local_subset(path: Path, subset: str | None) -> Path:
+    """A local source's `subset`: the subfolder of that name (a folder laid out as a hub dataset's
+    configurations); refused on a file, or where no such subfolder is."""
+    if subset is None:
+        return path
+    if path.is_dir() and (path / subset).is_dir():
+        return path / subset
+    entries = path.iterdir() if path.is_dir() else []
+    folders = sorted(p.name for p in entries if p.is_dir() and not p.name.startswith("."))
+    holds = f"its subfolders: {', '.join(folders)}" if folders else "it has no subfolders"
+    raise FinetuneError(
+        f"subset={subset!r} names a configuration of a hub dataset, but {path} is local data and {holds}; name an "
+        "existing subfolder, or leave subset out"
+    )
+
+
 def _hidden(file: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in file.relative_to(root).parts)
 
 
-def load_source(source: SourceConfig, seed: int) -> datasets.Dataset:
-    """One source of the training data, its columns renamed to finetune's (`source.columns`) and its
-    `fraction` taken: whole copies, plus a seeded subset for the rest."""
-    dataset = load_split(source.path, source.split, source.subset)
+SAMPLE_INDEX = "__finetune_sample__"
+"""A column of each sample's position in its file (or split), added before anything reorders samples, so
+that data errors name the sample where the user can find it; dropped by tokenization."""
+MAX_SOURCE_SAMPLES = 100_000_000
+"""The most samples one source may make of a mixture with its `fraction` (repeats are indices, not copies,
+but an index list that long is 800 MB, and such a fraction is a typo)."""
+
+
+def load_source(source: SourceConfig) -> datasets.Dataset:
+    """One source of the training data, its columns renamed to finetune's (`source.columns`), each sample
+    numbered by its position in the file (`SAMPLE_INDEX`)."""
+    dataset = numbered(load_split(source.path, source.split, source.subset))
     missing = [theirs for theirs in source.columns.values() if theirs not in dataset.column_names]
     if missing:
         raise FinetuneError(
             f"data.train source {source.path} has no column {', '.join(missing)} (its columns: "
-            f"{', '.join(dataset.column_names)}); fix its columns mapping"
+            f"{', '.join(c for c in dataset.column_names if c != SAMPLE_INDEX)}); fix its columns mapping"
         )
     renamed = {theirs: ours for ours, theirs in source.columns.items() if theirs != ours}
-    dataset = dataset.select_columns(
+    return dataset.select_columns(
         [c for c in dataset.column_names if c in renamed or c not in renamed.values()]
     ).rename_columns(renamed)
+
+
+def numbered(dataset: datasets.Dataset) -> datasets.Dataset:
+    """`dataset` with each sample's position in it as the `SAMPLE_INDEX` column."""
+    return dataset.add_column(SAMPLE_INDEX, numpy.arange(len(dataset), dtype=numpy.int64))
+
+
+def hold_out(dataset: datasets.Dataset, fraction: float, seed: int, where: str) -> tuple[datasets.Dataset, ...]:
+    """A seeded `fraction` of `dataset` held out for evaluation: (train, held out). Done before a source's
+    `fraction` repeats it, so no held-out sample is also trained on."""
+    held = math.ceil(fraction * len(dataset))
+    if held >= len(dataset):
+        raise FinetuneError(
+            f"{where} has {len(dataset)} sample(s): holding out data.eval_fraction={fraction:g} of them would leave "
+            "none to train on; add samples, or evaluate on a file of its own (data.eval_path)"
+        )
+    split = dataset.train_test_split(test_size=held, seed=seed)
+    return split["train"], split["test"]
+
+
+def take_fraction(dataset: datasets.Dataset, source: SourceConfig, seed: int) -> datasets.Dataset:
+    """The source's `fraction` of `dataset`: every sample int(fraction) times, plus a seeded subset for the
+    rest; repeats select the same rows again (an index list), never copies of the data."""
+    if source.fraction == 1:
+        return dataset
     whole, rest = int(source.fraction), source.fraction - int(source.fraction)
-    parts = [dataset] * whole
-    if rest > 0:
-        parts.append(dataset.shuffle(seed=seed).select(range(round(rest * len(dataset)))))
-    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    extra = round(rest * len(dataset))
+    total = whole * len(dataset) + extra
+    if total > MAX_SOURCE_SAMPLES:
+        raise FinetuneError(
+            f"data.train source {source.path}: fraction={source.fraction:g} of its {len(dataset):,} samples makes "
+            f"{total:,}, more than {MAX_SOURCE_SAMPLES:,}; lower the fraction (or use train.num_epochs for passes)"
+        )
+    subset = numpy.random.default_rng(seed).permutation(len(dataset))[:extra]
+    return dataset.select(numpy.concatenate([numpy.tile(numpy.arange(len(dataset)), whole), subset]))
 
 
 def load_split(path: str, split: str, subset: str | None = None) -> datasets.Dataset:
@@ -89,6 +145,7 @@ def load_split(path: str, split: str, subset: str | None = None) -> datasets.Dat
     local = Path(path).expanduser()
     try:
         if local.exists():
+            local = local_subset(local, subset)
             builder, files = local_files(local)
             dataset = datasets.load_dataset(builder, data_files=files, split="train")
             # datasets stores text that is not UTF-8 as is, to fail on first access deep inside a map; this

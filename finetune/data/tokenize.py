@@ -13,8 +13,9 @@ import os
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from finetune.config import DataConfig, SourceConfig
+from finetune.config import DataConfig
 from finetune.data.chat import EncodedSamples, MultiTurn, describe, encode_rendered, render_chats
+from finetune.data.sources import SAMPLE_INDEX
 from finetune.errors import FinetuneError
 
 IGNORE = -100
@@ -69,6 +70,7 @@ def _tokenize_batch(
     multi_turn: MultiTurn = "full",
     train_on_reasoning: bool = True,
 ) -> dict[str, list]:
+    indices = batch.pop(SAMPLE_INDEX, indices)
     if fmt == "chat":
         rendered = render_chats(batch["messages"], tokenizer, completion_only, indices, multi_turn, batch.get("tools"))
         encoded = encode_rendered(rendered, tokenizer, train_on_reasoning)
@@ -118,16 +120,17 @@ def _runs(trained: list[bool]) -> list[tuple[int, int]]:
 
 
 def tokenize(
-    dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, source: SourceConfig | None = None
+    dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, where: str | None = None
 ) -> datasets.Dataset:
     """Tokenize and mask every sample (cached by `datasets` under the fingerprint of data and settings).
-    `source`, the mixture's source this dataset is, is named in data errors."""
+    `where` names the data (e.g. "data.eval_path eval.jsonl") in data errors. Samples are named by their
+    position in their file: the `SAMPLE_INDEX` column where the data was reordered, else their position here."""
     try:
         return _tokenize(dataset, tokenizer, cfg)
     except FinetuneError as exc:
-        if source is None:
+        if where is None:
             raise
-        raise FinetuneError(f"data.train source {source.path}: {exc}") from None
+        raise FinetuneError(f"{where}: {exc}") from None
 
 
 def _tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> datasets.Dataset:
