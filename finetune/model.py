@@ -107,10 +107,20 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None) -> PreTra
         raise FinetuneError(f"the tokenizer of {cfg.name_or_path!r} is not a fast tokenizer; install `tokenizers`")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    named = tokenizer.chat_template if isinstance(tokenizer.chat_template, dict) else None
     if chat_template is not None:
         from finetune.data.chat import read_chat_template
 
-        tokenizer.chat_template = read_chat_template(chat_template)
+        tokenizer.chat_template = read_chat_template(chat_template, named)
+    elif named is not None:
+        # Named templates (Hermes-2-Pro, Command-R): training renders with one, the default unless the recipe
+        # names another, and exports it as the model's template.
+        if "default" not in named:
+            raise FinetuneError(
+                f"the tokenizer of {cfg.name_or_path!r} has named chat templates ({', '.join(sorted(named))}) and "
+                "no default; name the one to train with in data.chat_template"
+            )
+        tokenizer.chat_template = named["default"]
     return tokenizer
 
 

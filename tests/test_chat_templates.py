@@ -11,6 +11,7 @@ rendered text tokenized once.
 from __future__ import annotations
 
 import json
+import re
 
 import datasets
 import pytest
@@ -18,7 +19,7 @@ from transformers import AutoTokenizer
 
 from finetune.config import DataConfig
 from finetune.data import IGNORE, encode_chats, prepare_split
-from finetune.data.chat import render_chats
+from finetune.data.chat import chat_messages, render_chats
 from finetune.errors import FinetuneError
 
 LLAMA_3_1 = r"""{{- bos_token }}
@@ -277,11 +278,46 @@ def test_a_recipe_chat_template_trains_and_travels_with_the_export(demo_assets, 
 
 def test_a_chat_template_that_is_missing_or_not_jinja_is_refused(tmp_path):
     from finetune.data import check_sources
+    from finetune.data.chat import read_chat_template
 
-    with pytest.raises(FinetuneError, match="data.chat_template .*missing.jinja does not exist"):
-        check_sources(DataConfig(train_path="org/data", max_length=8, chat_template=str(tmp_path / "missing.jinja")))
+    def check(value: str) -> None:
+        check_sources(DataConfig(train_path="org/data", max_length=8, chat_template=value))
+
+    for missing in (tmp_path / "missing.jinja", tmp_path / "templates" / "chatml"):  # with a suffix or not
+        with pytest.raises(FinetuneError, match="data.chat_template .* is neither a file nor a Jinja template"):
+            check(str(missing))
     with pytest.raises(FinetuneError, match="data.chat_template is not a valid Jinja template"):
-        check_sources(DataConfig(train_path="org/data", max_length=8, chat_template="{% for m in messages %}"))
+        check("{% for m in messages %}")
+    with pytest.raises(FinetuneError, match="cannot render a conversation .*it writes no user or assistant message"):
+        check("{{ bos_token }}{% for m in messages %}{{ m.role }}{% endfor %}")
+    # A bare name may be one of the tokenizer's named templates: checked when it loads, refused if not one.
+    check("chatml")
+    with pytest.raises(
+        FinetuneError, match="chatml is neither a file nor a Jinja template nor one of the tokenizer's"
+    ):
+        read_chat_template("chatml", {"default": HASH_TEMPLATE, "tool_use": TOOLS})
+    assert read_chat_template("tool_use", {"default": HASH_TEMPLATE, "tool_use": TOOLS}) == TOOLS
+    (tmp_path / "ok.jinja").write_text(HASH_TEMPLATE)
+    assert read_chat_template(str(tmp_path / "ok.jinja")) == HASH_TEMPLATE
+    assert read_chat_template(GEMMA_2) == GEMMA_2  # refuses system messages: checked without one
+
+
+def test_named_chat_templates_train_with_the_default_or_the_one_named(base_tokenizer, tmp_path):
+    """Tokenizers that ship a dict of named templates (Hermes-2-Pro, Command-R) render with the default one,
+    or the one data.chat_template names; saved with the default resolved, as exports carry it."""
+    from finetune.config import ModelConfig
+    from finetune.model import load_tokenizer
+
+    tokenizer = family_tokenizer(base_tokenizer, "qwen-2.5")
+    tokenizer.chat_template = {"default": QWEN_2_5, "tool_use": TOOLS}
+    tokenizer.save_pretrained(tmp_path / "named")
+    assert isinstance(AutoTokenizer.from_pretrained(tmp_path / "named").chat_template, dict)
+    cfg = ModelConfig(name_or_path=str(tmp_path / "named"))
+    assert load_tokenizer(cfg).chat_template == QWEN_2_5
+    loaded = load_tokenizer(cfg, "tool_use")
+    assert loaded.chat_template == TOOLS
+    [(ids, trained)] = encode_chats([TOOL_CHAT], loaded, True)
+    assert "It is sunny." in loaded.decode([i for i, t in zip(ids, trained, strict=True) if t])
 
 
 WEATHER = {
@@ -376,6 +412,10 @@ def test_the_skeleton_path_locates_replies_exactly_as_the_placeholder_rendering_
         tokenizer = family_tokenizer(base_tokenizer, family)
         for name, conversation in CONVERSATIONS.items():
             tools = [WEATHER] if name == "tools" else None
+            if name == "tools" and "tool_calls" not in tokenizer.chat_template:
+                with pytest.raises(FinetuneError, match="never renders"):  # calls it would drop are refused
+                    _check([conversation], [tools], [0], tokenizer)
+                continue
             batch = _check([conversation], [tools], [0], tokenizer)
             chat = batch.chat(0)
             try:
@@ -438,8 +478,13 @@ def test_trained_tokens_are_found_from_character_spans_as_by_bisecting_every_off
         spans = [(bounds[0], bounds[1]), (bounds[2], bounds[3])]
         encoded = tokenizer([text], add_special_tokens=False, return_offsets_mapping=True)
         starts = [start for start, _ in encoded["offset_mapping"][0]]
+        ends = [end for _, end in encoded["offset_mapping"][0]]
         expected = [(bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)) for lo, hi in spans]
         assert token_ranges(encoded.encodings[0], spans, len(starts), len(text)) == expected, (text, spans)
+        # covering: the first token is the first that ends after lo (one that starts before it and runs into it)
+        expected = [(bisect.bisect_right(ends, lo), bisect.bisect_left(starts, hi)) for lo, hi in spans]
+        got = token_ranges(encoded.encodings[0], spans, len(starts), len(text), covering=True)
+        assert got == expected, (text, spans)
 
 
 def test_sharegpt_turns_with_tool_calls_in_their_text(base_tokenizer):
@@ -461,3 +506,118 @@ def test_sharegpt_turns_with_tool_calls_in_their_text(base_tokenizer):
     data = datasets.Dataset.from_list([{"messages": sharegpt}] * 2)  # through Arrow and the pipeline
     _, stats = prepare_split(data, tokenizer, DataConfig(train_path="x", max_length=512, packing=False), 0)
     assert stats.num_target_tokens == 2 * len(tokenizer(trained, add_special_tokens=False)["input_ids"])
+
+
+def test_replies_of_weight_0_are_context_and_weight_1_trains(base_tokenizer):
+    """OpenAI's chat format marks a turn not to train with "weight": 0; 1 (or no weight) trains it."""
+    tokenizer = family_tokenizer(base_tokenizer, "qwen-2.5")
+    messages = turns(("user", "reverse: 1 2"), ("assistant", "2 1"), ("user", "again"), ("assistant", "1 2"))
+    weighted = [messages[0], {**messages[1], "weight": 0}, messages[2], {**messages[3], "weight": 1}]
+    trained, ids, _ = trained_and_ids(tokenizer, weighted)
+    assert trained == "1 2<|im_end|>" and ids == trained_and_ids(tokenizer, messages)[1]
+    nothing = [messages[0], {**messages[1], "weight": 0}]
+    data = datasets.Dataset.from_list([{"messages": nothing}, {"messages": weighted}])
+    _, stats = prepare_split(data, tokenizer, DataConfig(train_path="x", max_length=512, packing=False), 0)
+    assert stats.num_dropped == 1  # a conversation with no reply to train is counted as dropped, not trained
+    with pytest.raises(FinetuneError, match=r"sample 0, message 1: weight 0.5 .* on assistant messages only"):
+        encode_chats([[messages[0], {**messages[1], "weight": 0.5}]], tokenizer, True)
+    with pytest.raises(FinetuneError, match="marks replies with weight 0 .* data.completion_only_loss=false"):
+        encode_chats([weighted], tokenizer, False)
+
+
+def test_reasoning_the_template_does_not_take_is_written_as_a_think_block_and_counted(base_tokenizer):
+    tokenizer = family_tokenizer(base_tokenizer, "qwen-2.5")  # renders no reasoning_content
+    messages = [*turns(("user", "q")), {"role": "assistant", "content": "a", "reasoning_content": "hmm"}]
+    trained, _, text = trained_and_ids(tokenizer, [*turns(("user", "q")), *turns(("assistant", "a"))])
+    [sample] = render_chats([messages], tokenizer, True)
+    assert "<think>\nhmm\n</think>\n\na<|im_end|>" in sample.text
+    for train_on_reasoning, expected in ((True, "<think>\nhmm\n</think>\n\na<|im_end|>"), (False, None)):
+        cfg = DataConfig(train_path="x", max_length=512, packing=False, train_on_reasoning=train_on_reasoning)
+        rows, stats = prepare_split(datasets.Dataset.from_list([{"messages": messages}]), tokenizer, cfg, 0)
+        assert stats.num_reasoning_tokens >= len(tokenizer("hmm", add_special_tokens=False)["input_ids"])
+        targets = [t for t in rows[0]["target_ids"] if t != IGNORE]
+        if expected is not None:
+            assert tokenizer.decode(targets) == expected
+        else:
+            assert "hmm" not in tokenizer.decode(targets) and tokenizer.decode(targets).endswith("a<|im_end|>")
+
+
+@pytest.mark.parametrize(
+    ("messages", "tools", "family", "message"),
+    [
+        (turns(("user", "q"), ("assistant", "<think>cut off")), None, "qwen-2.5", "sample 0: a reply opens <think>"),
+        (turns(("user", "q"), ("assistant", "<think>cut off")), None, "qwen-3", "sample 0: a reply opens <think>"),
+        (TOOL_CHAT, None, "qwen-2.5", "sample 0, message 1 has tool_calls, which the chat template never renders"),
+        (TOOL_CHAT[:1] + TOOL_CHAT[3:], [WEATHER], "qwen-2.5", "sample 0 has tools, which the chat template never"),
+        (turns(("user", "q"), ("assistant", "")), None, "qwen-2.5", "message 1 is an empty assistant reply"),
+        ([{"from": "human", "value": "q"}, {"from": "wizard", "value": "a"}], None, "qwen-2.5",
+         "sample 0: a ShareGPT turn is from 'wizard', a speaker finetune does not know"),
+        ([TOOL_CHAT[0], {"role": "assistant", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": Paris}'}}]}],
+         None, "tools", "the arguments of tool call 'get_weather' are not a JSON object"),
+    ],
+)  # fmt: skip
+def test_what_a_template_would_drop_or_train_wrongly_is_refused(base_tokenizer, messages, tools, family, message):
+    with pytest.raises(FinetuneError, match=re.escape(message)):
+        encode_chats([messages], family_tokenizer(base_tokenizer, family), True, tools=[tools])
+
+
+def test_tool_call_arguments_given_as_json_text_render_as_objects(base_tokenizer):
+    tokenizer = family_tokenizer(base_tokenizer, "tools")
+    as_text = json.loads(json.dumps(TOOL_CHAT))
+    as_text[1]["tool_calls"][0]["function"]["arguments"] = '{"city": "Paris"}'  # OpenAI's wire format
+    assert render_chats([as_text], tokenizer, True)[0].text == render_chats([TOOL_CHAT], tokenizer, True)[0].text
+    sharegpt = [{"from": "human", "value": "q"}, {"from": "function_call", "value": '{"name": "f"}'},
+                {"from": "observation", "value": "r"}, {"from": "chatbot", "value": "a"}]  # fmt: skip
+    assert [m["role"] for m in chat_messages(sharegpt, 0)] == ["user", "assistant", "tool", "assistant"]
+
+
+# A template that writes a space between the tool results and the reply (as Mistral-v0.3's does); a reply
+# after a tool result has no header of its own, so its first token starts with the template's space.
+SPACE_BEFORE_REPLY = r"""{{- bos_token }}
+{%- for m in messages %}
+{%- if m.role == 'user' %}{{- '[INST] ' + m.content + '[/INST]' }}
+{%- elif m.role == 'tool' %}{{- '[TOOL_RESULTS] ' + m.content + '[/TOOL_RESULTS]' }}
+{%- elif m.tool_calls %}{{- '[TOOL_CALLS] ' + (m.tool_calls | map(attribute='function') | list | tojson) + eos_token }}
+{%- else %}{{- ' ' + m.content + eos_token }}{% endif %}
+{%- endfor %}"""
+SPACE_SPECIALS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
+
+
+def trained_tokenizer(kind: str):
+    """A tokenizer trained here on a few lines, of either kind the hub's models use: byte-level BPE (GPT-2,
+    Llama 3, Qwen: a space is the byte 'Ġ' glued to the next word) or SentencePiece-style (Llama 2, Mistral:
+    '▁' glued to the next word)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    special_tokens = ["<unk>", "<s>", "</s>", *SPACE_SPECIALS]
+    if kind == "byte-level BPE":
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special_tokens, initial_alphabet=alphabet)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+        trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=special_tokens)
+    lines = ["Yes. It is sunny in Paris today.", "Weather in Paris?", 'get_weather {"city": "Paris"} sky sunny']
+    backend.train_from_iterator(lines * 50, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   additional_special_tokens=SPACE_SPECIALS)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["byte-level BPE", "SentencePiece-style"])
+def test_a_replys_first_token_that_starts_with_the_templates_space_is_trained(kind):
+    tokenizer = trained_tokenizer(kind)
+    tokenizer.chat_template = SPACE_BEFORE_REPLY
+    [(ids, trained)] = encode_chats([TOOL_CHAT], tokenizer, True)
+    text = tokenizer.apply_chat_template(TOOL_CHAT, tokenize=False)
+    encoding = tokenizer(text, add_special_tokens=False)
+    reply = text.rindex("It is sunny.")
+    first = encoding.char_to_token(reply)
+    assert encoding.token_to_chars(first)[0] == reply - 1  # the token begins with the template's space
+    assert trained[first] and not trained[first - 1]  # ... and is the reply's; [/TOOL_RESULTS] is not
+    assert all(trained[first : len(ids)])  # every reply token through </s>
+    assert tokenizer.decode([i for i, t in zip(ids, trained, strict=True) if t]).endswith("It is sunny.</s>")

@@ -116,7 +116,7 @@ def encode_rendered(
         encodings(tokenizer, texts), texts, rendered.spans, rendered.reasoning, strict=True
     ):
         sample_ids = encoding.ids
-        trained = token_ranges(encoding, spans, len(sample_ids), len(text))
+        trained = token_ranges(encoding, spans, len(sample_ids), len(text), covering=True)
         thought = 0
         if reasoning:
             within = token_ranges(encoding, reasoning, len(sample_ids), len(text))
@@ -159,15 +159,31 @@ def _without(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> lis
     return kept
 
 
-def token_ranges(encoding: Any, spans: list[tuple[int, int]], tokens: int, characters: int) -> list[tuple[int, int]]:
+def token_ranges(
+    encoding: Any, spans: list[tuple[int, int]], tokens: int, characters: int, covering: bool = False
+) -> list[tuple[int, int]]:
     """Each span [lo, hi) of characters of an encoded text (`tokens` long, of `characters`) as the range
-    [first, last) of the tokens that start in it. The fast tokenizer's encoding is asked about the few
-    characters that bound the spans: converting every token's offsets to Python costs a third of the
-    tokenization of long texts."""
+    [first, last) of the tokens that start in it, or with `covering` also the token that starts before lo
+    and ends inside the span: a reply's first token often begins with the template's space before it
+    ("[/TOOL_RESULTS] Paris" tokenized "▁Paris"), and it is the reply's to predict. The fast tokenizer's
+    encoding is asked about the few characters that bound the spans: converting every token's offsets to
+    Python costs a third of the tokenization of long texts."""
+    first_of = _covering_token if covering else _first_token
     ranges = []
     for lo, hi in spans:  # a loop: a comprehension is a call of its own before Python 3.12, per sample
-        ranges.append((_first_token(encoding, lo, tokens, characters), _first_token(encoding, hi, tokens, characters)))
+        ranges.append((first_of(encoding, lo, tokens, characters), _first_token(encoding, hi, tokens, characters)))
     return ranges
+
+
+def _covering_token(encoding: Any, char: int, tokens: int, characters: int) -> int:
+    """The first token that ends after `char`: the one holding it (the first of several byte pieces of one
+    character), or the first after it where no token holds it."""
+    token = encoding.char_to_token(char) if char < characters else None
+    if token is None:
+        return _first_token(encoding, char, tokens, characters)
+    while token > 0 and (encoding.token_to_chars(token - 1) or (0, 0))[1] > char:
+        token -= 1
+    return token
 
 
 def _first_token(encoding: Any, char: int, tokens: int, characters: int) -> int:
@@ -212,6 +228,12 @@ def render_chats(
     batch = _check(conversations, tools if tools is not None else [None] * len(conversations), indices, tokenizer)
     texts = _render_all(batch)
     if not completion_only:
+        if any(batch.untrained):
+            n = next(n for n, skipped in enumerate(batch.untrained) if skipped)
+            raise FinetuneError(
+                f"sample {indices[n]} marks replies with weight 0 (not trained), but data.completion_only_loss=false "
+                "trains every token; set data.completion_only_loss=true or remove the weights"
+            )
         return RenderedChats(texts, [[(0, len(text))] for text in texts], [[] for _ in texts], [False] * len(texts))
     shape = template_shape(tokenizer)
     spans, reasoning, per_turn = [], [], {}
@@ -223,8 +245,18 @@ def render_chats(
                 "data.completion_only_loss=false to train on all of its text"
             )
         trained = replies[-1:] if multi_turn == "last" else replies
-        located = _filled_spans(skeleton, values, trained, text) if skeleton is not None else None
-        located = located or _reply_spans(batch.chat(n), shape, trained, text)
+        if batch.untrained[n]:  # replies of weight 0: context only (a sample left with none trains nothing)
+            trained = tuple(i for i in trained if i not in batch.untrained[n])
+            replies = tuple(i for i in replies if i not in batch.untrained[n])
+            if not trained:
+                spans.append([])
+                reasoning.append([])
+                continue
+        try:
+            located = _filled_spans(skeleton, values, trained, text) if skeleton is not None else None
+            located = located or _reply_spans(batch.chat(n), shape, trained, text)
+        except _UnclosedThink:
+            raise unclosed_think(indices[n]) from None
         if located is None:
             if multi_turn != "per_turn":
                 raise FinetuneError(
@@ -232,7 +264,10 @@ def render_chats(
                     "replies cannot be located in it; set data.multi_turn=per_turn (one sample per reply, each "
                     "prompt as rendered for generation) or data.multi_turn=last (its last reply only)"
                 )
-            per_turn[n] = _per_turn(batch.chat(n), shape, replies)
+            try:
+                per_turn[n] = _per_turn(batch.chat(n), shape, list(trained))
+            except _UnclosedThink:
+                raise unclosed_think(indices[n]) from None
             located = [], []
         spans.append(located[0])
         reasoning.append(located[1])
@@ -260,6 +295,8 @@ class _Batch:
     """The roles of each conversation that is only roles and texts, without tools (`_roles_and_texts`); else None."""
     contents: list[list[str] | None]
     """The texts of those conversations, in message order: with the roles, all that a skeleton needs of them."""
+    untrained: list[frozenset[int]]
+    """The positions of each conversation's replies marked `"weight": 0` (OpenAI's chat format): context only."""
 
     def chat(self, n: int) -> _Chat:
         """Conversation n, as the renderings that take it one at a time need it."""
@@ -270,24 +307,79 @@ def _check(
     conversations: list[Any], tools: list[Any], indices: list[int], tokenizer: PreTrainedTokenizerBase
 ) -> _Batch:
     """Each conversation checked and normalized (`chat_messages`), with its tools parsed."""
-    knows_reasoning = "reasoning_content" in (tokenizer.chat_template or "")
-    checked, parsed, roles, contents = [], [], [], []
+    template = tokenizer.chat_template or ""
+    knows_reasoning = "reasoning_content" in template
+    checked, parsed, roles, contents, untrained = [], [], [], [], []
     for messages, schemas, index in zip(conversations, tools, indices, strict=True):
         plain = _roles_and_texts(messages)
+        skipped: frozenset[int] = frozenset()
         if plain is None:
             messages = chat_messages(messages, index)
+            messages, skipped = _weights(messages, index)
+            _check_rendered_fields(messages, template, index)
+            if not knows_reasoning:
+                messages = [_reasoning_inline(message) for message in messages]
         if knows_reasoning:
-            apart = [_reasoning_apart(message) for message in messages]
+            apart = [_reasoning_apart(message, index) for message in messages]
             if any(map(operator.is_not, apart, messages)):
                 messages, plain = apart, None
         schemas = chat_tools(schemas, index) if schemas is not None else None
         if schemas is not None:
+            if "tools" not in template:
+                raise FinetuneError(
+                    f"sample {index} has tools, which the chat template never renders (it reads no `tools`): the "
+                    "model would learn calls to tools it was never shown; set data.chat_template to a template that "
+                    "renders tools, or drop the tools column (columns mapping)"
+                )
             plain = None
         checked.append(messages)
         parsed.append(schemas)
         roles.append(plain[0] if plain is not None else None)
         contents.append(plain[1] if plain is not None else None)
-    return _Batch(tokenizer, checked, parsed, indices, roles, contents)
+        untrained.append(skipped)
+    return _Batch(tokenizer, checked, parsed, indices, roles, contents, untrained)
+
+
+def _weights(messages: list[dict[str, Any]], index: int) -> tuple[list[dict[str, Any]], frozenset[int]]:
+    """Messages without their `weight` key (OpenAI's chat format: 0 keeps an assistant turn as context only,
+    1 trains it), and the positions of the replies of weight 0."""
+    if not any("weight" in message for message in messages):
+        return messages, frozenset()
+    skipped = set()
+    for number, message in enumerate(messages):
+        weight = message.get("weight", 1)
+        if weight not in (0, 1) or isinstance(weight, bool) or message["role"] != "assistant" and "weight" in message:
+            raise FinetuneError(
+                f"sample {index}, message {number}: weight {weight!r} on a {message['role']} message; weight is 0 (an "
+                "assistant turn kept as context, not trained) or 1 (trained), on assistant messages only"
+            )
+        if weight == 0:
+            skipped.add(number)
+    return [{k: v for k, v in message.items() if k != "weight"} for message in messages], frozenset(skipped)
+
+
+def _check_rendered_fields(messages: list[dict[str, Any]], template: str, index: int) -> None:
+    """Tool calls go to templates that render them; a template that never reads them would drop them from
+    the text without a word, and the reply would train as if no call had been made."""
+    for number, message in enumerate(messages):
+        if message.get("tool_calls") and "tool_calls" not in template:
+            raise FinetuneError(
+                f"sample {index}, message {number} has tool_calls, which the chat template never renders (it reads "
+                "no `tool_calls`): they would be dropped from training; set data.chat_template to a template that "
+                "renders tool calls, or write the calls into the reply's content"
+            )
+
+
+def _reasoning_inline(message: dict[str, Any]) -> dict[str, Any]:
+    """For a template that does not take `reasoning_content`, the reasoning written where such data has it:
+    a leading <think> block of the content, which is trained (or kept as context) and counted like any."""
+    reasoning = message.get("reasoning_content")
+    if reasoning is None:
+        return message
+    rest = {key: value for key, value in message.items() if key != "reasoning_content"}
+    if not str(reasoning).strip():
+        return rest
+    return {**rest, "content": f"<think>\n{str(reasoning).strip()}\n</think>\n\n{message.get('content') or ''}"}
 
 
 def _replies(messages: list[dict[str, Any]]) -> tuple[int, ...]:
@@ -342,15 +434,17 @@ def _render_or_none(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str,
         return None
 
 
-def _reasoning_apart(message: dict[str, Any]) -> dict[str, Any]:
+def _reasoning_apart(message: dict[str, Any], index: int = -1) -> dict[str, Any]:
     """An assistant message with a leading <think> block in its content, as the same message with the block
     in `reasoning_content`, for templates that take that field: they render both alike, and with the
     reasoning apart, the content alone can be replaced by a placeholder to locate the reply."""
     content = message.get("content")
     if message["role"] != "assistant" or "reasoning_content" in message or not isinstance(content, str):
         return message
-    if not content.lstrip().startswith("<think>") or "</think>" not in content:
+    if not content.lstrip().startswith("<think>"):
         return message
+    if "</think>" not in content:
+        raise unclosed_think(index)
     reasoning, _, answer = content.partition("</think>")
     return {
         **message,
@@ -422,21 +516,61 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
-def read_chat_template(value: str) -> str:
-    """`data.chat_template`: the text of a template file (a value ending in .jinja or .j2, or naming a
-    file), or the template itself; refused if Jinja cannot compile it."""
-    path = Path(value).expanduser()
-    if path.suffix in (".jinja", ".j2") or ("{" not in value and path.is_file()):
+def read_chat_template(value: str, named: dict[str, str] | None = None) -> str:
+    """`data.chat_template`: a Jinja template written out, the path of a file holding one, or the name of
+    one of the tokenizer's named templates (`named`, where its template is a dict). Anything else (a
+    missing file, a name such as `chatml`) is refused rather than taken as a template whose text is that
+    string; so is a template that cannot render a conversation's contents."""
+    if named is not None and value in named:
+        return named[value]
+    if not _looks_like_jinja(value):
+        path = Path(value).expanduser()
         if not path.is_file():
-            raise FinetuneError(f"data.chat_template {value} does not exist; point it at a Jinja template file")
+            names = f" nor one of the tokenizer's named templates ({', '.join(sorted(named))})" if named else ""
+            raise FinetuneError(
+                f"data.chat_template {value} is neither a file nor a Jinja template{names}; point it at a template "
+                "file (e.g. templates/chatml.jinja) or write the template itself"
+            )
         value = path.read_text()
+    _check_renders(value)
+    return value
+
+
+def names_a_template(value: str) -> bool:
+    """A `data.chat_template` value that can only be checked against the tokenizer: a bare name, which may be
+    one of its named templates (`tool_use`), and is otherwise refused when the tokenizer loads."""
+    return not _looks_like_jinja(value) and not Path(value).expanduser().exists() and re.fullmatch(r"[\w.-]+", value)
+
+
+def _looks_like_jinja(value: str) -> bool:
+    return "{{" in value or "{%" in value
+
+
+def _check_renders(template: str) -> None:
+    """The template compiles and writes the contents of a conversation (with a system message where it
+    takes one), so that a file of something else, or a template that ignores `messages`, is refused."""
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     try:
-        _compile_jinja_template(value)
+        compiled = _compile_jinja_template(template)
     except Exception as exc:  # jinja2.TemplateSyntaxError, with the line
         raise FinetuneError(f"data.chat_template is not a valid Jinja template ({first_line(exc)}); fix it") from None
-    return value
+    probe = [{"role": role, "content": _SENTINEL.format(role)} for role in ("system", "user", "assistant")]
+    problem = ""
+    for messages in (probe, probe[1:]):  # templates that refuse system messages are tried without one
+        try:
+            text = compiled.render(messages=messages, bos_token="", eos_token="", add_generation_prompt=False)
+        except Exception as exc:  # jinja2 errors, or the template's own raise_exception
+            problem = first_line(exc)
+            continue
+        missing = [m["role"] for m in messages if m["content"] not in text]
+        if not missing:
+            return
+        problem = f"it writes no {' or '.join(missing)} message content"
+    raise FinetuneError(
+        f"data.chat_template cannot render a conversation of system, user and assistant messages ({problem}); "
+        "give a chat template that writes each message's content"
+    )
 
 
 def _roles_and_texts(messages: Any) -> tuple[tuple[str, ...], list[str]] | None:
@@ -468,7 +602,10 @@ def chat_messages(messages: Any, index: int) -> list[dict[str, Any]]:
     """
     where = f"sample {index}"
     if isinstance(messages, list):
-        messages = [_from_sharegpt(message) for message in messages]
+        try:
+            messages = [_from_sharegpt(message) for message in messages]
+        except FinetuneError as exc:
+            raise FinetuneError(f"{where}: {exc}") from None
     if not isinstance(messages, list) or not messages:
         raise FinetuneError(
             f"{where}: messages must be a non-empty list of {{role, content}} objects, got {describe(messages)}; "
@@ -491,6 +628,14 @@ def chat_messages(messages: Any, index: int) -> list[dict[str, Any]]:
             )
         elif content is not None and not isinstance(content, str):
             raise FinetuneError(f"{where}, message {number}: content must be text, got {describe(content)}")
+        empty = not str(message.get("content") or "").strip()
+        if message["role"] == "assistant" and empty and not message.get("tool_calls"):
+            raise FinetuneError(
+                f"{where}, message {number} is an empty assistant reply: there is nothing to train on; give it "
+                "text (or tool_calls), or remove the sample"
+            )
+        if message.get("tool_calls"):
+            message["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}, message {number}")
         if message["role"] == "tool" and not (normalized and normalized[-1]["role"] in ("assistant", "tool")):
             raise FinetuneError(
                 f"{where}, message {number} is a tool result that answers no tool call (the message before it is "
@@ -500,9 +645,43 @@ def chat_messages(messages: Any, index: int) -> list[dict[str, Any]]:
     return normalized
 
 
-# ShareGPT's speakers (`from`), as chat templates name the roles.
-_SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "model": "assistant", "function_response": "tool",
-                   "observation": "tool"}  # fmt: skip
+def _tool_calls(calls: Any, where: str) -> Any:
+    """Tool calls with their `arguments` as objects, as chat templates expect them (most write them with
+    `tojson`): arguments given as JSON text (OpenAI's wire format) are parsed, where they would otherwise be
+    written as a quoted string; text that is not a JSON object is refused."""
+    if not isinstance(calls, list):
+        return calls
+    parsed = []
+    for call in calls:
+        holder = call.get("function") if isinstance(call, dict) and isinstance(call.get("function"), dict) else call
+        arguments = holder.get("arguments") if isinstance(holder, dict) else None
+        if isinstance(arguments, str):
+            try:
+                value = json.loads(arguments)
+            except json.JSONDecodeError as exc:
+                value, problem = None, str(exc)
+            else:
+                problem = None if isinstance(value, dict) else f"a {type(value).__name__}, not an object"
+            if problem is not None:
+                raise FinetuneError(
+                    f"{where}: the arguments of tool call {holder.get('name')!r} are not a JSON object ({problem}); "
+                    "fix or remove the sample"
+                )
+            holder = {**holder, "arguments": value}
+            call = {**call, "function": holder} if holder is not call else holder
+        parsed.append(call)
+    return parsed
+
+
+# ShareGPT's speakers (`from`), as chat templates name the roles: its own names and those of the datasets
+# written in it (glaive/Hermes function calling, Cohere, OpenAI's older `function` role). Others are refused.
+_SHAREGPT_ROLES = {
+    "human": "user", "user": "user", "gpt": "assistant", "model": "assistant", "assistant": "assistant",
+    "chatbot": "assistant", "bot": "assistant", "system": "system", "tool": "tool", "function_response": "tool",
+    "observation": "tool", "function": "tool", "ipython": "tool",
+    # A call written as the turn's text (glaive): the reply, trained as text with its call.
+    "function_call": "assistant",
+}  # fmt: skip
 
 
 def _from_sharegpt(message: Any) -> Any:
@@ -513,7 +692,12 @@ def _from_sharegpt(message: Any) -> Any:
         return message
     turn = {key: value for key, value in message.items() if key not in ("from", "value", "role")}
     speaker = message["from"]
-    return {"role": _SHAREGPT_ROLES.get(speaker, speaker), "content": message.get("value"), **turn}
+    if speaker not in _SHAREGPT_ROLES:
+        raise FinetuneError(
+            f"a ShareGPT turn is from {speaker!r}, a speaker finetune does not know; it reads "
+            f"{', '.join(sorted(_SHAREGPT_ROLES))}: rename it in the data"
+        )
+    return {"role": _SHAREGPT_ROLES[speaker], "content": message.get("value"), **turn}
 
 
 def _text_of_parts(parts: list[Any], where: str) -> str:
@@ -847,13 +1031,26 @@ def _filled_spans(
     return spans, reasoning
 
 
+def unclosed_think(index: int) -> FinetuneError:
+    return FinetuneError(
+        f"sample {index}: a reply opens <think> and never closes it (a trace cut off by a generation limit?), so "
+        "its reasoning and its answer cannot be told apart; close the block with </think> or remove the sample"
+    )
+
+
 def _think_block(text: str, start: int, end: int) -> tuple[int, int] | None:
     """The reasoning of a reply whose content opens with a <think> block the template kept as it was."""
     opened = text.find("<think>", start, end)
     if opened < 0 or text[start:opened].strip():
         return None
     closed = text.find("</think>", opened, end)
-    return (opened + len("<think>"), closed) if closed >= 0 else None
+    if closed < 0:
+        raise _UnclosedThink
+    return opened + len("<think>"), closed
+
+
+class _UnclosedThink(Exception):
+    """A reply's think block has no end; `render_chats` names the sample (`unclosed_think`)."""
 
 
 def _with_placeholder(message: dict[str, Any], placeholder: str) -> tuple[dict[str, Any], str] | None:

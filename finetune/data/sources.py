@@ -14,7 +14,7 @@ import datasets
 import numpy
 
 from finetune.config import DataConfig, SourceConfig
-from finetune.data.chat import read_chat_template
+from finetune.data.chat import names_a_template, read_chat_template
 from finetune.errors import FinetuneError, first_line
 
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -41,8 +41,8 @@ def check_sources(cfg: DataConfig) -> None:
                 f"data.{key}_split={split!r} has no effect on local data {path}, which is one split; point "
                 f"data.{key}_path at that split's file and leave data.{key}_split out"
             )
-    if cfg.chat_template is not None:
-        read_chat_template(cfg.chat_template)  # exists and compiles
+    if cfg.chat_template is not None and not names_a_template(cfg.chat_template):
+        read_chat_template(cfg.chat_template)  # a file or a template that renders a conversation
 
 
 def local_files(path: Path) -> tuple[str, list[str]]:
