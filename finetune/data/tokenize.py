@@ -138,7 +138,7 @@ def _tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg
         raise FinetuneError(
             "the dataset is empty; point data.train_path (or the data.train source) at a file with samples"
         )
-    fmt = detect_format(dataset.column_names, cfg.format)
+    fmt = detect_format([c for c in dataset.column_names if c != SAMPLE_INDEX], cfg.format)
     if fmt == "chat" and not tokenizer.chat_template:
         raise FinetuneError(
             "the data is chat (messages) but the tokenizer has no chat template; use an instruct model's tokenizer, "
