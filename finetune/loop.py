@@ -67,7 +67,9 @@ from finetune.memory import MemoryProbe, format_reports, gather_reports, memory_
 from finetune.metrics import MetricsLogger
 from finetune.model import (
     DTYPES,
+    check_attention,
     check_max_length,
+    check_quantized_base,
     check_tied_weights,
     checkpoint_dropout_exactly,
     load_model,
@@ -140,6 +142,8 @@ def preflight(recipe: RecipeConfig) -> Path | None:
     )  # fmt: skip
     check_sources(recipe.data)
     check_max_length(recipe.model, recipe.data.max_length)
+    check_attention(recipe.model)
+    check_quantized_base(recipe.model, adapters=recipe.peft is not None, export_merged=recipe.output.export_merged)
     problems = environment_problems(recipe)
     if problems:
         raise FinetuneError("; ".join(problems))

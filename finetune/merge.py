@@ -161,9 +161,17 @@ def _base_weights(name_or_path: str, trained_on: str | None) -> CheckpointWeight
                 f"the base model {name_or_path!r} that the adapter names is not available ({first_line(exc)}); "
                 "export without --merge, or make the base model reachable (a local folder or the hub cache)"
             ) from None
-    files = model_weight_files(folder)
-    from finetune.model import weights_fingerprint
+    from finetune.model import quantized_method, weights_fingerprint
 
+    config = folder / "config.json"
+    method = quantized_method(json.loads(config.read_text())) if config.is_file() else None
+    if method is not None:
+        raise FinetuneError(
+            f"the base model {name_or_path!r} is stored quantized ({method}), so there are no weights to fold the "
+            "adapter into, only codes; export without --merge (the adapter loads onto this base), or merge onto the "
+            "unquantized model by pointing base_model_name_or_path in hf/adapter_config.json at it"
+        )
+    files = model_weight_files(folder)
     if trained_on is not None and weights_fingerprint(folder) != trained_on:
         raise FinetuneError(
             f"the base model {name_or_path!r} is not the one the adapter trained on (its config or weights changed "

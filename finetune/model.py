@@ -80,6 +80,58 @@ def weights_fingerprint(folder: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+# Attention kernels that come from a package of their own, and the module that package installs.
+_KERNEL_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"), "flash_attention_3": ("flash_attn_interface",
+                    "flash-attn 3 (its hopper/ build)")}  # fmt: skip
+
+
+def check_attention(cfg: ModelConfig) -> None:
+    """An attention kernel named in the recipe is installed: transformers would raise an ImportError after the
+    launch, from every process."""
+    import importlib.util
+
+    if cfg.attn_implementation in _KERNEL_PACKAGES:
+        module, package = _KERNEL_PACKAGES[cfg.attn_implementation]
+        if importlib.util.find_spec(module) is None:
+            raise FinetuneError(
+                f"model.attn_implementation={cfg.attn_implementation} needs {package}, which is not installed; "
+                "install it on every machine, or set model.attn_implementation=sdpa (or varlen for packed rows)"
+            )
+
+
+def check_quantized_base(cfg: ModelConfig, adapters: bool, export_merged: bool = False) -> None:
+    """A base saved already quantized (`quantization_config` in its config.json, as the `*-bnb-4bit` hub
+    models): its weights are 4-bit codes, not numbers a full fine-tuning could update, so that is refused;
+    adapter runs train on it as it is (QLoRA), and export the adapter, not a merge into codes."""
+    method = quantized_method(load_model_config(cfg))
+    if method is None:
+        return
+    if not adapters:
+        raise FinetuneError(
+            f"{cfg.name_or_path} is stored quantized ({method}): its weights are codes that full fine-tuning cannot "
+            "update; add a peft section (adapters train on a quantized base as it is, QLoRA) or train the "
+            "unquantized model"
+        )
+    if export_merged:
+        raise FinetuneError(
+            f"{cfg.name_or_path} is stored quantized ({method}): a merged export would fold the adapter into 4-bit "
+            "codes; drop output.export_merged (final/ holds the adapter, which loads onto this base) or train on "
+            "the unquantized model to export it merged"
+        )
+
+
+def quantized_method(config: PretrainedConfig | dict) -> str | None:
+    """The quantization a saved model is stored in (`quant_method` of its quantization_config), or None."""
+    quantization = (
+        config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config", None)
+    )
+    if quantization is None:
+        return None
+    if isinstance(quantization, dict):
+        return str(quantization.get("quant_method", "quantized"))
+    return str(getattr(quantization, "quant_method", type(quantization).__name__))
+
+
 def check_max_length(cfg: ModelConfig, max_length: int) -> None:
     """`data.max_length` within the positions the model was built for (read from its config only):
     past them, learned position tables (GPT-2) fail in the first step, after minutes of loading."""
@@ -162,9 +214,11 @@ def load_model(
         varlen.register()
     try:
         if read_weights:
+            # Passed only when given: an explicit None would also drop the quantization of a base saved quantized.
+            quantized = {"quantization_config": quantization} if quantization is not None else {}
             model = AutoModelForCausalLM.from_pretrained(
                 cfg.name_or_path, dtype=dtype, attn_implementation=attention, trust_remote_code=cfg.trust_remote_code,
-                quantization_config=quantization,
+                **quantized,
             )  # fmt: skip
         else:
             config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
@@ -173,6 +227,8 @@ def load_model(
                     config, dtype=dtype, attn_implementation=attention, trust_remote_code=cfg.trust_remote_code
                 )
             model.tie_weights()  # not done for meta parameters, and rank 0's model has them tied
+    except ImportError as exc:  # an attention kernel or quantization package missing
+        raise FinetuneError(f"cannot load {cfg.name_or_path!r}: {first_line(exc)}") from None
     except (OSError, ValueError, SafetensorError) as exc:  # SafetensorError: a truncated or damaged weights file
         raise FinetuneError(
             f"cannot load a causal LM from {cfg.name_or_path!r} ({first_line(exc)}); set model.name_or_path "

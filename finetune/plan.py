@@ -37,7 +37,7 @@ from transformers import PreTrainedModel
 from finetune.config import RecipeConfig
 from finetune.errors import FinetuneError
 from finetune.launch import STRATEGIES, Launch, recipe_launch_problems
-from finetune.model import DTYPES, load_model_config, meta_model
+from finetune.model import DTYPES, check_attention, check_quantized_base, load_model_config, meta_model
 
 if TYPE_CHECKING:
     from finetune.loss import LossPath
@@ -342,6 +342,8 @@ def check(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     )  # fmt: skip
     if problems:
         raise FinetuneError(f"cannot train with {launch.config_path}: " + "; ".join(problems))
+    check_attention(recipe.model)
+    check_quantized_base(recipe.model, adapters=recipe.peft is not None, export_merged=recipe.output.export_merged)
     model = planned_model(recipe)
     shape = model_shape(model)
     source = recipe.model.config_file or recipe.model.name_or_path

@@ -306,7 +306,7 @@ def test_qlora_plan_counts_the_whole_4bit_base_at_load(qlora_run):
 
 def test_bad_adapter_input_names_the_fix(demo_assets, tmp_path, monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(demo_assets / "base")
-    with pytest.raises(FinetuneError, match=r"the model's linear modules are: down_proj, gate_proj, .*q_proj"):
+    with pytest.raises(FinetuneError, match=r"target_modules names qkv_proj, which LlamaForCausalLM does not have"):
         add_adapters(model, PeftConfig(target_modules=["qkv_proj"]))
     tied = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, tie_word_embeddings=True))
     with pytest.raises(FinetuneError, match="whose input and output embeddings are tied"):
@@ -380,3 +380,43 @@ def open_weights_of_adapters(checkpoint: Path) -> dict[str, torch.Size]:
 
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def test_a_base_saved_quantized_trains_adapters_as_it_is_and_nothing_else(demo_assets, tmp_path):
+    """`*-bnb-4bit` hub models store their weights as 4-bit codes (uint8 storage, quantization_config in
+    config.json): adapters train on them as they are, on 2 processes, and the adapter loads onto them with PEFT
+    with the trained logits; full fine-tuning and merged exports, which would need the weights, are refused."""
+    from transformers import AutoTokenizer, BitsAndBytesConfig
+
+    from finetune.config import ModelConfig
+    from finetune.model import check_quantized_base
+
+    base = tmp_path / "tiny-bnb-4bit"
+    stored = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    AutoModelForCausalLM.from_pretrained(demo_assets / "base", quantization_config=stored).save_pretrained(base)
+    AutoTokenizer.from_pretrained(demo_assets / "base").save_pretrained(base)
+    with pytest.raises(FinetuneError, match=r"is stored quantized \(bitsandbytes\): its weights are codes"):
+        check_quantized_base(ModelConfig(name_or_path=str(base)), adapters=False)
+    with pytest.raises(FinetuneError, match="a merged export would fold the adapter into 4-bit codes"):
+        check_quantized_base(ModelConfig(name_or_path=str(base)), adapters=True, export_merged=True)
+
+    output_dir = tmp_path / "out"
+    overrides = {**LORA, "model.name_or_path": base, "train.max_steps": 4, "checkpoint.save_every_steps": 0}
+    result = launch("fsdp2_full_shard.yaml", recipe_overrides(demo_assets, output_dir, **overrides))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "its linear weights in 4 bits (nf4, packed in uint8 storage" in result.stdout + result.stderr
+    losses = Run(result, output_dir).losses()
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    script = (
+        "import sys, torch; from peft import PeftModel; from safetensors.torch import load_file; "
+        "from transformers import AutoModelForCausalLM; ref = load_file(sys.argv[3]); "
+        "model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sys.argv[1]), sys.argv[2]).eval(); "
+        "torch.no_grad().__enter__(); logits = model(input_ids=ref['input_ids']).logits; "
+        "print((logits - ref['logits']).abs().max().item())"
+    )
+    args = [str(base), str(output_dir / "final"), str(output_dir / "final_logits.safetensors")]
+    reloaded = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    assert reloaded.returncode == 0, reloaded.stderr[-3000:]
+    assert float(reloaded.stdout.split()[-1]) <= 1e-4
+    with pytest.raises(FinetuneError, match="is stored quantized .* no weights to fold the adapter into"):
+        export_checkpoint(output_dir, tmp_path / "merged", merge=True)

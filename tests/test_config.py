@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from finetune.config import ConfigError, RecipeConfig, load_recipe, save_recipe
+from finetune.errors import FinetuneError
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
@@ -127,3 +129,71 @@ def test_non_finite_numbers_are_refused_in_every_numeric_field(tmp_path, value):
     assert str(info.value).startswith(f"{len(fields)} problems")
     for name in fields:
         assert f"{name} must be a finite number" in str(info.value)
+
+
+def test_problems_of_one_section_do_not_hide_its_other_problems(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_recipe(write(tmp_path, MINIMAL), ["peft.method=qlora", "peft.dropout=2", "peft.r=0"])
+    message = str(info.value)
+    assert message.startswith("3 problems in") and "peft.method must be one of" in message
+    assert "peft.dropout must be in [0, 1), got 2.0" in message and "peft.r must be >= 1, got 0" in message
+
+
+def test_overrides_yaml_cannot_read_are_one_line_or_text(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.train=\[\{path: x.jsonl\} is not valid YAML \(expected ',' or ']'"):
+        load_recipe(write(tmp_path, MINIMAL), ["data.train_path=", "data.train=[{path: x.jsonl}"])
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}{% endfor %}"  # not YAML, but text
+    assert load_recipe(write(tmp_path, MINIMAL), [f"data.chat_template={template}"]).data.chat_template == template
+
+
+def test_a_list_of_names_may_be_written_as_one_name(tmp_path):
+    recipe = load_recipe(write(tmp_path, MINIMAL), ["peft.target_modules=all-linear", "peft.modules_to_save=lm_head"])
+    assert recipe.peft.target_modules == ["all-linear"] and recipe.peft.modules_to_save == ["lm_head"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["peft.r=8", "output.export_merged=true", "output.export=false"],
+         "output.export_merged=true needs output.export=true"),
+        (["train.profile_steps=[4,5]"], r"train.profile_steps=\[4, 5\] starts after the last step \(3\)"),
+        (["data.completion_only_loss=false", "data.train_on_reasoning=false"],
+         "data.train_on_reasoning=false keeps reasoning out of the loss, but data.completion_only_loss=false"),
+    ],
+)  # fmt: skip
+def test_settings_that_would_have_no_effect_are_refused(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(write(tmp_path, MINIMAL), overrides)
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "message"),
+    [
+        ("fsdp1_full_shard.yaml", ["peft.r=8"], "adapters \\(peft\\) train under FSDP2, DDP or one process, not"),
+        ("single_node.yaml", ["peft.r=8"], "adapters \\(peft\\) do not support rank-0 loading yet"),
+        ("ddp.yaml", ["checkpoint.async_save=true"], "checkpoint.async_save needs full fine-tuning under FSDP2"),
+        ("fsdp2_shard_grad_op.yaml", ["checkpoint.async_save=true"], "with fsdp_state_dict_type: SHARDED_STATE_DICT"),
+        ("fsdp2_full_shard.yaml", ["checkpoint.async_save=true", "peft.r=8"], "async_save needs full fine-tuning"),
+    ],
+)  # fmt: skip
+def test_check_and_training_refuse_the_same_launches(config, overrides, message):
+    """`finetune check` refuses, from the config file, exactly what training's preflight refuses from the
+    environment `accelerate launch` sets: one list (`recipe_launch_problems`), before anything loads."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from finetune.launch import environment_problems, read_launch
+    from finetune.plan import check, parse_memory
+
+    recipe = load_recipe(REPO / "recipes" / "demo" / "tiny_llama.yaml", overrides)
+    launch = read_launch(REPO / "accelerate_configs" / config, 2, 1, for_launch=False)
+    with pytest.raises(FinetuneError, match=message):
+        check(recipe, launch, parse_memory("80GB"))
+    raw = load_config_from_file(str(REPO / "accelerate_configs" / config))
+    fsdp = raw.fsdp_config or {}
+    environ = {  # what accelerate launch exports from that file
+        "ACCELERATE_USE_FSDP": str(raw.distributed_type == "FSDP").lower(),
+        "FSDP_VERSION": str(fsdp.get("fsdp_version", 1)),
+        "FSDP_CPU_RAM_EFFICIENT_LOADING": str(fsdp.get("fsdp_cpu_ram_efficient_loading", False)).lower(),
+        **({"FSDP_STATE_DICT_TYPE": fsdp["fsdp_state_dict_type"]} if "fsdp_state_dict_type" in fsdp else {}),
+    }
+    assert any(re.search(message, problem) for problem in environment_problems(recipe, environ))
