@@ -420,3 +420,37 @@ def test_a_base_saved_quantized_trains_adapters_as_it_is_and_nothing_else(demo_a
     assert float(reloaded.stdout.split()[-1]) <= 1e-4
     with pytest.raises(FinetuneError, match="is stored quantized .* no weights to fold the adapter into"):
         export_checkpoint(output_dir, tmp_path / "merged", merge=True)
+
+
+def test_resuming_with_other_adapter_settings_names_the_setting(lora_run):
+    """A checkpoint's adapters resume only under the settings they trained with: fewer target modules would
+    drop trained adapters silently, another rank or method would fail deep inside the load."""
+    from finetune.adapters import check_resume_adapters
+
+    step_4 = lora_run.output_dir / "checkpoints" / "step_4"
+    same = load_recipe(lora_run.output_dir / "recipe.yaml").peft
+    check_resume_adapters(step_4, same)
+    check_resume_adapters(step_4, dataclasses.replace(same, dropout=0.1))  # changes no tensor: allowed
+    for change, message in (
+        ({"target_modules": ["q_proj", "v_proj"]}, r"peft.target_modules=\['q_proj', 'v_proj'\] \(the checkpoint"),
+        ({"r": 4}, r"peft.r=4 \(the checkpoint trained with 8\)"),
+        ({"method": "dora"}, r"peft.method=dora \(the checkpoint trained with lora\)"),
+    ):
+        with pytest.raises(FinetuneError, match=message):
+            check_resume_adapters(step_4, dataclasses.replace(same, **change))
+
+
+def test_an_export_never_writes_over_the_base_or_another_run(lora_run, one_process_run, demo_assets, tmp_path):
+    base = shutil.copytree(demo_assets / "base", tmp_path / "base")
+    checkpoint = shutil.copytree(lora_run.output_dir / "checkpoints" / "step_8", tmp_path / "step_8")
+    adapter_config = checkpoint / MODEL_FILES / "adapter_config.json"
+    adapter_config.write_text(
+        json.dumps({**json.loads(adapter_config.read_text()), "base_model_name_or_path": str(base)})
+    )
+    before = sorted(p.name for p in base.iterdir())
+    with pytest.raises(FinetuneError, match="is the base model the adapter is merged into"):
+        export_checkpoint(checkpoint, base, merge=True, overwrite=True)
+    assert sorted(p.name for p in base.iterdir()) == before
+    with pytest.raises(FinetuneError, match="is a training run's output folder .* which --overwrite would delete"):
+        export_checkpoint(checkpoint, one_process_run.output_dir, overwrite=True)
+    assert (one_process_run.output_dir / "checkpoints" / "step_8").is_dir()
