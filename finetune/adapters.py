@@ -9,8 +9,10 @@ accelerate's RNG and sampler states; never the frozen base, which for a 70B mode
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +164,15 @@ def quantization_config(dtype: torch.dtype):
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype,
     )  # fmt: skip
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
+    """The model (through DDP/FSDP wrappers) computing as its frozen base while inside: a preference run's
+    reference, with no second copy of the weights."""
+    inner = getattr(model, "module", model)
+    with inner.disable_adapter():
+        yield
 
 
 def describe_adapters(model: torch.nn.Module) -> str:

@@ -63,6 +63,8 @@ class TrainerState:
     model_name_or_path: str
     scheduler: dict[str, Any] = field(default_factory=dict)
     """The LR scheduler's state_dict, kept as JSON: accelerate would pickle it and unpickle it unsafely."""
+    objective: str = "supervised"
+    """What the run trained: supervised, or preference (absent from checkpoints older than preference tuning)."""
 
 
 def checkpoints_root(output_dir: Path) -> Path:
@@ -325,6 +327,18 @@ def check_resume_kind(path: Path, adapters: bool) -> None:
         raise FinetuneError(
             f"checkpoint {path} is of {saved} run but the recipe {recipe}; resume it with the recipe it was trained "
             "with, or start in a new output.dir"
+        )
+
+
+def check_resume_objective(path: Path, objective: str) -> None:
+    """A checkpoint resumes only a run of its own objective: preference tuning after a supervised run starts
+    from that run's export, with a fresh optimizer, not from its checkpoint."""
+    saved = json.loads((path / STATE_FILE).read_text()).get("objective", "supervised")
+    if saved != objective:
+        raise FinetuneError(
+            f"checkpoint {path} is of a {saved} run, and this recipe trains {objective}; to preference-tune after "
+            "supervised fine-tuning, point model.name_or_path at that run's export (<output.dir>/final) and use a "
+            "new output.dir"
         )
 
 

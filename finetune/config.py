@@ -99,9 +99,10 @@ class DataConfig:
     eval_fraction: float = 0.0
     """Fraction of the training data held out for evaluation when `eval_path` is None (0 = no eval)."""
 
-    format: Literal["auto", "chat", "prompt_completion", "text"] = "auto"
+    format: Literal["auto", "chat", "prompt_completion", "text", "preference"] = "auto"
     """Sample layout: chat (`messages`), prompt_completion (`prompt`, `completion`), text (`text`),
-    or auto to pick by the columns present."""
+    preference (`chosen`, `rejected`, and `prompt` unless they are whole conversations: needs a `preference`
+    section), or auto to pick by the columns present."""
 
     max_length: int
     """Maximum tokens per sample; longer samples are truncated and counted. Also the packed row length."""
@@ -377,6 +378,78 @@ class PeftConfig:
 
 
 @dataclass(kw_only=True)
+class PreferenceConfig:
+    """Preference tuning on chosen/rejected pairs (absent: supervised fine-tuning); finetune.objectives.preference."""
+
+    loss: Literal["dpo", "ipo", "simpo", "orpo"] = "dpo"
+    """dpo: the sigmoid loss of Rafailov et al. on summed log-ratios to the reference; ipo: the squared loss of
+    Azar et al. on per-token log-ratios; simpo: reference-free, per-token log-probabilities with a target
+    margin; orpo: reference-free, the chosen reply's likelihood plus its odds ratio over the rejected one."""
+
+    beta: float = 0.1
+    """Strength of the preference term: DPO/IPO's KL weight (IPO's tau), SimPO's reward scale, ORPO's
+    odds-ratio weight (its lambda). Must be > 0."""
+
+    label_smoothing: float = 0.0
+    """dpo and simpo: the probability that a pair's labels are flipped (conservative DPO); in [0, 0.5)."""
+
+    simpo_gamma: float | None = None
+    """simpo only: the target reward margin gamma (default 0.5)."""
+
+    sft_weight: float = 0.0
+    """Adds this x the chosen reply's mean negative log-likelihood to each pair's loss (RPO; TRL's `sft` term)."""
+
+    reference: Literal["auto", "precomputed", "model", "none"] = "auto"
+    """Where DPO/IPO's reference log-probabilities come from: precomputed (the initial weights' values for every
+    pair, computed once before the first step and stored with the data; auto for full fine-tuning), the same
+    model with its adapters off (auto with a peft section), model (a second frozen copy: `reference_model`),
+    none (simpo and orpo, auto for them)."""
+
+    reference_model: str | None = None
+    """reference: model: the hub id or folder of the reference model."""
+
+    @property
+    def gamma(self) -> float:
+        return 0.5 if self.simpo_gamma is None else self.simpo_gamma
+
+    @property
+    def reference_free(self) -> bool:
+        return self.loss in ("simpo", "orpo")
+
+    def resolved_reference(self, adapters: bool) -> str:
+        """The reference a run uses: precomputed, adapters (the model with its adapters off), model or none."""
+        if self.reference != "auto":
+            return self.reference
+        if self.reference_free:
+            return "none"
+        return "adapters" if adapters else "precomputed"
+
+    def errors(self) -> list[str]:
+        errors = []
+        if self.beta <= 0:
+            errors.append(f"preference.beta must be > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            errors.append(f"preference.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.loss not in ("dpo", "simpo"):
+            errors.append(f"preference.label_smoothing applies to dpo and simpo, not {self.loss}; remove it")
+        if self.simpo_gamma is not None and self.loss != "simpo":
+            errors.append(f"preference.simpo_gamma applies to loss: simpo, not {self.loss}; remove it")
+        if self.sft_weight < 0:
+            errors.append(f"preference.sft_weight must be >= 0, got {self.sft_weight}")
+        if self.reference_free and self.reference not in ("auto", "none"):
+            errors.append(
+                f"preference.loss={self.loss} uses no reference model; set preference.reference=auto (or none)"
+            )
+        if not self.reference_free and self.reference == "none":
+            errors.append(f"preference.loss={self.loss} compares with a reference; set preference.reference=auto")
+        if self.reference == "model" and not self.reference_model:
+            errors.append("preference.reference=model needs preference.reference_model (a hub id or folder)")
+        if self.reference_model and self.reference != "model":
+            errors.append("preference.reference_model is read with preference.reference=model only; set both or none")
+        return errors
+
+
+@dataclass(kw_only=True)
 class RecipeConfig:
     model: ModelConfig
     data: DataConfig
@@ -385,6 +458,7 @@ class RecipeConfig:
     output: OutputConfig
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     peft: PeftConfig | None = None
+    preference: PreferenceConfig | None = None
 
     def cross_field_errors(self) -> list[str]:
         """Problems that involve more than one section, each with its fix (each section checks its own fields)."""
@@ -397,6 +471,17 @@ class RecipeConfig:
             )
         if self.peft is None and self.output.export_merged:
             errors.append("output.export_merged applies to adapter runs (a peft section); remove it")
+        if self.preference is None and self.data.format == "preference":
+            errors.append("data.format=preference trains on pairs: add a preference section, e.g. preference.loss=dpo")
+        if self.preference is not None and self.data.format not in ("auto", "preference"):
+            errors.append(
+                f"a preference section trains on pairs, not data.format={self.data.format}; set data.format=auto"
+            )
+        if self.preference is not None and self.preference.reference == "model":
+            errors.append(
+                "preference.reference=model (a second frozen copy) is not available yet; use reference=auto "
+                "(precomputed for full fine-tuning, the adapters switched off with a peft section)"
+            )
         return errors
 
     def to_dict(self) -> dict[str, Any]:

@@ -44,8 +44,10 @@ def build(workdir: str) -> None:
     root = Path(workdir)
     if (root / "base" / "config.json").exists():
         print(f"demo: reusing {root}/base and {root}/data")
+        _write_pairs(root / "data")  # a build from before the preference data had none
         return
     splits = _write_data(root / "data")
+    _write_pairs(root / "data")
     tokenizer = _train_tokenizer(splits["train"])
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -86,6 +88,32 @@ def _write_data(data_dir: Path) -> dict[str, list[dict]]:
     for name, examples in splits.items():
         (data_dir / f"{name}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
     return splits
+
+
+def _write_pairs(data_dir: Path) -> None:
+    """Preference pairs for `make demo-dpo` (pairs_train.jsonl, pairs_eval.jsonl), from the train and eval
+    lists: the correct reversal preferred over a near miss (two neighbouring digits of it swapped)."""
+    rng = random.Random(99)
+    for name in ("train", "eval"):
+        target = data_dir / f"pairs_{name}.jsonl"
+        if target.exists():
+            continue
+        lines = []
+        for line in (data_dir / f"{name}.jsonl").read_text().splitlines():
+            user, reply = json.loads(line)["messages"]
+            digits = reply["content"].split()
+            wrong = list(digits)
+            i = rng.randrange(len(wrong) - 1)
+            wrong[i], wrong[i + 1] = wrong[i + 1], wrong[i]
+            if wrong == digits:  # equal neighbours: change one digit instead
+                wrong[i] = str((int(wrong[i]) + 1) % 10)
+            pair = {
+                "prompt": [user],
+                "chosen": [reply],
+                "rejected": [{"role": "assistant", "content": " ".join(wrong)}],
+            }
+            lines.append(json.dumps(pair) + "\n")
+        target.write_text("".join(lines))
 
 
 def _train_tokenizer(examples: list[dict]) -> PreTrainedTokenizerFast:

@@ -37,6 +37,7 @@ from finetune.checkpoint import (
     async_save_state,
     check_resume_base,
     check_resume_kind,
+    check_resume_objective,
     checkpoints_root,
     finish_checkpoint,
     load_checkpoint,
@@ -46,7 +47,7 @@ from finetune.checkpoint import (
     tensor_names,
 )
 from finetune.config import RecipeConfig, save_recipe
-from finetune.data import IGNORE, Data, build_data, check_sources
+from finetune.data import Data, build_data, check_sources
 from finetune.distributed import (
     PreemptionSignals,
     broadcast_module_states,
@@ -59,10 +60,9 @@ from finetune.distributed import (
     strategy_name,
 )
 from finetune.errors import FinetuneError
-from finetune.evaluate import evaluate
 from finetune.flops import ModelFlops, model_flops, peak_flops
 from finetune.launch import environment_problems
-from finetune.loss import LossPath, batch_loss, choose_loss_path
+from finetune.loss import LossPath, choose_loss_path
 from finetune.memory import MemoryProbe, format_reports, gather_reports, memory_metrics
 from finetune.metrics import MetricsLogger
 from finetune.model import (
@@ -72,17 +72,28 @@ from finetune.model import (
     check_quantized_base,
     check_tied_weights,
     checkpoint_dropout_exactly,
+    disable_dropout,
     load_model,
     load_tokenizer,
     model_folder,
     save_model_files,
     weights_fingerprint,
 )
+from finetune.objectives import Objective, Preference, Supervised
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.outputs import check_output_dir, claim_output_dir
 from finetune.plan import cheapest_policy, estimate, model_shape, planned_model
 from finetune.profile import StepProfiler
 from finetune.recompute import Policy
+from finetune.reference import (
+    REFERENCE_FILE,
+    cache_path,
+    check_resumable,
+    compute_reference,
+    read_reference,
+    reference_key,
+    write_reference,
+)
 from finetune.wrap import format_wrap_plan, fsdp_units, reshard, validate_wrap_policy
 
 logger = logging.getLogger("finetune")
@@ -97,11 +108,14 @@ class StepResult:
     loss: float
     grad_norm: float
     num_tokens: int
-    num_target_tokens: int
+    num_units: int
+    """What the loss is averaged over, in the whole step: target tokens, or pairs (the objective's unit)."""
     model_flops: float
     """Of every process's micro-batches (finetune.flops), for MFU."""
     stop_requested: bool = False
     """Some process was asked to stop (its `stop_flag` was set): every process sees the same."""
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The objective's metrics, averaged over the step's units."""
 
 
 @dataclass
@@ -123,6 +137,7 @@ class Run:
     """Writes the training state into a checkpoint folder (collective): accelerate's, the adapters' only, or
     DCP's asynchronous save (which returns the futures of its background writes)."""
     loss_path: LossPath
+    objective: Objective
 
 
 @dataclass(frozen=True)
@@ -149,12 +164,17 @@ def preflight(recipe: RecipeConfig) -> Path | None:
         raise FinetuneError("; ".join(problems))
     if resume_from is not None:
         check_resume_kind(resume_from, adapters=recipe.peft is not None)
+        check_resume_objective(resume_from, _objective_name(recipe))
         if recipe.peft is not None:
             from finetune.adapters import check_resume_adapters  # imports peft (2 s): adapter runs only
 
             check_resume_adapters(resume_from, recipe.peft)
             check_resume_base(resume_from, recipe.model.name_or_path, _base_fingerprint(recipe))
     return resume_from
+
+
+def _objective_name(recipe: RecipeConfig) -> str:
+    return "supervised" if recipe.preference is None else "preference"
 
 
 def _base_fingerprint(recipe: RecipeConfig) -> str | None:
@@ -203,8 +223,13 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
         adapters = {**peft_adapters.adapter_record(model), "base": base, "settings": dataclasses.asdict(recipe.peft)}
     names = tensor_names(model)  # before FSDP renames or flattens anything; saved with every checkpoint
     data = build_data(
-        recipe.data, tokenizer, accelerator, seed=recipe.train.seed, micro_batch_size=recipe.train.micro_batch_size
-    )
+        recipe.data, tokenizer, accelerator, seed=recipe.train.seed, micro_batch_size=recipe.train.micro_batch_size,
+        preference=recipe.preference is not None,
+    )  # fmt: skip
+    if recipe.preference is not None:
+        dropped = disable_dropout(model)  # the policy and its reference must agree at step 1
+        if dropped:
+            accelerator.print(f"dropout: off for preference tuning ({dropped})")
     fsdp_plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if fsdp_plugin is not None:
         validate_wrap_policy(fsdp_plugin, model)
@@ -242,9 +267,10 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
     if recipe.checkpoint.async_save:
         save_state = _async_saver(accelerator, model, optimizer, adapters is not None)
     loss_path, loss_line = choose_loss_path(recipe.train.loss, accelerator.unwrap_model(model))
+    objective, write_reference = build_objective(recipe, data, model, accelerator, loss_path, adapters, resume_from)
     run = Run(
         recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, max_steps, output_dir,
-        write_model_files, names, save_state, loss_path,
+        write_model_files, names, save_state, loss_path, objective,
     )  # fmt: skip
     start = TrainerState(0, 0, 0, accelerator.num_processes, recipe.model.name_or_path)
     if resume_from is not None:
@@ -255,6 +281,7 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
     if accelerator.is_main_process:
         claim_output_dir(output_dir, resumed_step=start.step if resume_from else None)
         save_recipe(recipe, output_dir / "recipe.yaml")
+        write_reference()
     _check_shared_output_dir(output_dir, accelerator)
 
     _log_setup(accelerator, recipe, data, model, max_steps, resume_from, [policy_line, loss_line])
@@ -271,6 +298,41 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
         metrics.close()  # ends the progress bar, so that an error message starts on its own line
     final = checkpoints_root(output_dir) / f"step_{max_steps}"
     return TrainResult(output_dir, final if _saves_last_step(recipe) else None)
+
+
+def build_objective(
+    recipe: RecipeConfig,
+    data: Data,
+    model: torch.nn.Module,
+    accelerator: Accelerator,
+    loss_path: LossPath,
+    adapters: dict[str, Any] | None,
+    resume_from: Path | None,
+) -> tuple[Objective, Callable[[], None]]:
+    """The run's objective, and what writes its files into the output dir once that is claimed (main process).
+    A preference run with a precomputed reference computes it here (collective), or reads it: from the
+    output dir when resuming, from beside the tokenized data when this base and data computed it before."""
+    if recipe.preference is None:
+        return Supervised(loss_path), lambda: None
+    reference = recipe.preference.resolved_reference(adapters=adapters is not None)
+    objective = Preference(recipe.preference, loss_path, reference)
+    if reference != "precomputed":
+        return objective, lambda: None
+    numerics = f"{loss_path}:{accelerator.mixed_precision}:{recipe.model.dtype}:{recipe.data.packing}"
+    key = reference_key(_base_fingerprint(recipe), data.splits, numerics)
+    output_file = Path(recipe.output.dir) / REFERENCE_FILE
+    cached = cache_path(data.splits[0], key)
+    if resume_from is not None:
+        table = check_resumable(read_reference(output_file, key), Path(recipe.output.dir))
+    elif cached is not None and (table := read_reference(cached, key)) is not None:
+        accelerator.print(f"reference: log-probabilities of {len(table):,} pairs read from {cached}")
+    else:
+        micro_batch_size = recipe.train.micro_batch_size
+        table = compute_reference(model, data.splits, data.collate, accelerator, micro_batch_size, loss_path)
+        if cached is not None and accelerator.is_main_process:
+            write_reference(cached, table, key)
+    objective.reference_logps = table
+    return objective, functools.partial(write_reference, output_file, table, key)
 
 
 def _async_saver(
@@ -320,7 +382,7 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
             lr = run.scheduler.get_last_lr()[0]  # the rate this step's update uses
             result = train_step(
                 run.model, run.optimizer, micro_batches, accelerator, recipe.optim.max_grad_norm, step, probe,
-                loss_path=run.loss_path, flops=flops, stop_flag=preemption.flag,
+                loss_path=run.loss_path, flops=flops, stop_flag=preemption.flag, objective=run.objective,
             )  # fmt: skip
             run.scheduler.step()
             if probe is not None:
@@ -341,7 +403,8 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
                     "grad_norm": result.grad_norm,
                     "tokens_per_second": tokens_since_log / elapsed,
                     "step_seconds": elapsed / steps_since_log,
-                    "target_tokens": result.num_target_tokens,
+                    run.objective.unit_name: result.num_units,
+                    **result.metrics,
                 }
                 if peak is not None:
                     values["mfu"] = flops_since_log / elapsed / (peak * accelerator.num_processes)
@@ -351,7 +414,8 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
                 accelerator.print(profiled)
             eval_due = recipe.train.eval_every_steps and step % recipe.train.eval_every_steps == 0
             if run.eval_loader is not None and (eval_due or last_step):
-                metrics.log(step, {"eval_loss": evaluate(run.model, run.eval_loader, accelerator, run.loss_path)})
+                evaluated = run.objective.evaluate(run.model, run.eval_loader, accelerator)
+                metrics.log(step, {f"eval_{name}": value for name, value in evaluated.items()})
             stop = result.stop_requested  # a signal during this step's update or evaluation stops at the next
             if (save_every and (step % save_every == 0 or stop)) or (save_last and last_step):
                 state = TrainerState(
@@ -361,6 +425,7 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
                     accelerator.num_processes,
                     recipe.model.name_or_path,
                     run.scheduler.state_dict(),
+                    _objective_name(recipe),
                 )
                 began = time.perf_counter()
                 if pending is not None:  # the previous asynchronous save: its writes end before the next starts
@@ -412,34 +477,43 @@ def train_step(
     loss_path: LossPath,
     flops: ModelFlops | None = None,
     stop_flag: float = 0.0,
+    objective: Objective | None = None,
 ) -> StepResult:
-    """One optimizer step over this process's micro-batches; returns the global loss per target token, and
-    whether any process set `stop_flag` (reduced with the loss: no collective of its own)."""
+    """One optimizer step over this process's micro-batches; returns the global loss per unit of the objective
+    (target token, or pair), its metrics, and whether any process set `stop_flag` (reduced with the loss: no
+    collective of its own)."""
+    objective = objective if objective is not None else Supervised(loss_path)
     counts = [
-        sum((b["target_ids"] != IGNORE).sum() for b in micro_batches),
+        sum(objective.count(b) for b in micro_batches),
         sum(b["num_tokens"] for b in micro_batches),
         sum(flops.batch(b, b["num_tokens"]) for b in micro_batches) if flops is not None else torch.zeros(()),
     ]
-    # One all-reduce, one device sync: every process needs the global target count before its first backward.
+    # One all-reduce, one device sync: every process needs the global unit count before its first backward.
     # float64 holds the counts exactly (below 2**53) and the FLOPs.
-    counts = torch.stack([c.to(accelerator.device, torch.float64) for c in counts])
-    num_targets, num_tokens, step_flops = accelerator.reduce(counts, "sum").tolist()
+    counts = torch.stack([torch.as_tensor(c).to(accelerator.device, torch.float64) for c in counts])
+    num_units, num_tokens, step_flops = accelerator.reduce(counts, "sum").tolist()
     # DDP and FSDP average gradients over processes; multiplying by the process count turns that
-    # average into a sum, so the update is the gradient of (all token losses) / (all target tokens).
-    scale = accelerator.num_processes / max(num_targets, 1)
+    # average into a sum, so the update is the gradient of (all unit losses) / (all units of the step).
+    scale = accelerator.num_processes / max(num_units, 1)
     loss_sum = torch.zeros((), device=accelerator.device)
+    metric_sums = torch.zeros(len(objective.metric_names), device=accelerator.device)
     for i, batch in enumerate(micro_batches):
         # DDP can skip the gradient all-reduce until the last micro-batch. FSDP reduce-scatters every
         # micro-batch instead: skipping would keep unsharded gradients and defeat its memory savings.
         skip_sync = i < len(micro_batches) - 1 and accelerator.distributed_type != DistributedType.FSDP
         with accelerator.no_sync(model) if skip_sync else nullcontext():
             with probe.counting_activations() if probe is not None and i == 0 else nullcontext():
-                summed = batch_loss(model, batch, loss_path).total
+                summed, sums = objective.loss(model, batch)
             accelerator.backward(summed * scale)
         loss_sum += summed.detach()
+        metric_sums += sums.to(accelerator.device)
     flag = torch.tensor(stop_flag, device=accelerator.device)
-    summed_loss, stops = accelerator.reduce(torch.stack([loss_sum, flag]), "sum").tolist()
-    loss = summed_loss / max(num_targets, 1)
+    reduced = accelerator.reduce(torch.cat([torch.stack([loss_sum, flag]), metric_sums]), "sum").tolist()
+    summed_loss, stops, *summed_metrics = reduced
+    loss = summed_loss / max(num_units, 1)
+    step_metrics = {
+        name: value / max(num_units, 1) for name, value in zip(objective.metric_names, summed_metrics, strict=True)
+    }
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
     grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -451,7 +525,7 @@ def train_step(
     if probe is not None:
         probe.measure_update(optimizer)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, grad_norm, int(num_tokens), int(num_targets), step_flops, stops > 0)
+    return StepResult(loss, grad_norm, int(num_tokens), int(num_units), step_flops, stops > 0, step_metrics)
 
 
 def _accumulation_windows(
@@ -581,7 +655,8 @@ def _log_setup(
         _attention_line(accelerator, recipe, model),
         *(line for line in choices if line is not None),
         f"batch: {recipe.train.micro_batch_size} x {recipe.train.gradient_accumulation_steps} accumulation x "
-        f"{processes} processes = {global_batch} sequences per step, {max_steps} steps",
+        f"{processes} processes = {global_batch} {'pairs' if recipe.preference else 'sequences'} per step, "
+        f"{max_steps} steps",
         data.train_stats.describe("train data"),
     ]
     compiled = sum(getattr(module, "_compiled_call_impl", None) is not None for module in model.modules())

@@ -225,3 +225,88 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for grad, dtype, needed in zip(ctx.saved_tensors, ctx.dtypes, ctx.needs_input_grad[:3], strict=True)
         ]
         return (*grads, None, None)
+
+
+def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], path: LossPath) -> torch.Tensor:
+    """The log-probability of each sequence's target tokens, summed: shape (sequences,), differentiable when
+    gradients are enabled. A batch's rows hold the sequences (packed or padded); `sequence_ids` names the
+    sequence of every position with a target (-1 elsewhere), `sequence_targets` counts each one's targets.
+    The chunked path never holds the logits whole, as `batch_loss`; as the gradient of each token's
+    log-probability is weighted by its sequence's (a preference loss is not a sum of token losses), its
+    backward recomputes a chunk's logits instead of keeping gradients from the forward."""
+    inputs = model_inputs(model, batch)
+    targets = batch["target_ids"]
+    kept = targets != IGNORE
+    if path == "full_logits":
+        logits = model(**inputs, use_cache=False).logits
+        per_position = -F.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none"
+        )
+        per_token = per_position[kept.flatten()]
+    else:
+        head = output_head(model)
+        previous = head.__dict__.get("forward")
+
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            return _LinearLogProbs.apply(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias, targets[kept])
+
+        head.forward = forward
+        try:
+            logits_to_keep = kept.reshape(inputs["input_ids"].shape)
+            per_token = model(**inputs, use_cache=False, logits_to_keep=logits_to_keep).logits.reshape(-1)
+        finally:
+            if previous is None:
+                del head.forward
+            else:
+                head.forward = previous
+    sequences = batch["sequence_targets"].shape[0]
+    zeros = torch.zeros(sequences, dtype=torch.float32, device=per_token.device)
+    return zeros.index_add(0, batch["sequence_ids"][kept], per_token.float())
+
+
+class _LinearLogProbs(torch.autograd.Function):
+    """log softmax(hidden @ weight.T + bias)[target] for each row, a chunk of rows at a time; backward
+    recomputes each chunk's logits and weights its gradient by the incoming gradient of each row."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor
+    ) -> torch.Tensor:
+        rows = chunk_rows(weight.shape[0], weight.device)
+        logps = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], rows):
+            h, t = hidden[start : start + rows], targets[start : start + rows]
+            log_probs = torch.log_softmax(F.linear(h, weight, bias), dim=-1, dtype=torch.float32)
+            logps[start : start + rows] = log_probs.gather(1, t.unsqueeze(1)).squeeze(1)
+        ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets)
+        ctx.has_bias = bias is not None
+        return logps
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, targets = ctx.saved_tensors
+        bias = bias if ctx.has_bias else None
+        needs = ctx.needs_input_grad
+        grad_hidden = torch.zeros_like(hidden) if needs[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and needs[2] else None
+        rows = chunk_rows(weight.shape[0], weight.device)
+        for start in range(0, hidden.shape[0], rows):
+            h, t = hidden[start : start + rows], targets[start : start + rows].unsqueeze(1)
+            g = grad[start : start + rows].float().unsqueeze(1)
+            # d log p[t] / d logits = one-hot(t) - softmax(logits), scaled by each row's incoming gradient.
+            grad_logits = torch.softmax(F.linear(h, weight, bias), dim=-1, dtype=torch.float32).mul_(-g)
+            grad_logits.scatter_add_(1, t, g)
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0)
+            grad_logits = grad_logits.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start : start + rows] = grad_logits @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.t().float(), h.float())
+        return (
+            grad_hidden,
+            grad_weight.to(weight.dtype) if grad_weight is not None else None,
+            grad_bias.to(bias.dtype) if grad_bias is not None else None,
+            None,
+        )

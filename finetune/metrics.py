@@ -40,9 +40,11 @@ class MetricsLogger:
         with self.path.open("a") as f:
             f.write(json_line({"step": step, **metrics}) + "\n")
         if "loss" in metrics:
-            self.bar.set_postfix(
-                loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", tok_s=f"{metrics['tokens_per_second']:.0f}"
-            )
+            shown = {"loss": f"{metrics['loss']:.4f}"}
+            if "rewards/accuracies" in metrics:  # preference tuning: how often the chosen reply wins
+                shown["acc"] = f"{metrics['rewards/accuracies']:.2f}"
+            shown |= {"lr": f"{metrics['lr']:.2e}", "tok_s": f"{metrics['tokens_per_second']:.0f}"}
+            self.bar.set_postfix(shown)
 
     def advance(self, steps: int = 1) -> None:
         self.bar.update(steps)

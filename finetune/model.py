@@ -273,6 +273,21 @@ def checkpoint_dropout_exactly(plugin: FullyShardedDataParallelPlugin, model: Pr
     )
 
 
+def disable_dropout(model: torch.nn.Module) -> str | None:
+    """Set every dropout of `model` to 0 (its modules' and its attention's), as preference tuning needs: the
+    policy's forward and the reference's must agree at the first step. Returns what was on, or None."""
+    found = dropout_site(model) if isinstance(model, PreTrainedModel) else None
+    for module in model.modules():
+        if isinstance(module, _DROPOUT_MODULES):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # read by attention kernels in training
+            module.attention_dropout = 0.0
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "attention_dropout", 0.0):
+            config.attention_dropout = 0.0
+    return found
+
+
 def dropout_site(model: PreTrainedModel) -> str | None:
     """Where `model` applies dropout while training (the first such module, or its attention's), or None."""
     for name, module in model.named_modules():

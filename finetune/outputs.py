@@ -24,7 +24,7 @@ from finetune.errors import FinetuneError
 LOCK = ".finetune.lock"
 # Everything a run writes into output.dir. A fresh run removes these and nothing else, so a run
 # that fails after starting never leaves an earlier run's results beside its own recipe.
-RUN_FILES = ("recipe.yaml", "metrics.jsonl", "final_logits.safetensors")
+RUN_FILES = ("recipe.yaml", "metrics.jsonl", "final_logits.safetensors", "reference_logps.safetensors")
 RUN_FOLDERS = (
     "checkpoints", "ranks", "final", "final.partial", "final.previous", "final_merged", "finetune", "profile"
 )  # fmt: skip
@@ -32,6 +32,8 @@ RUN_FOLDERS = (
 `train.profile_steps`' traces."""
 KEPT_ON_RESUME = ("checkpoints", "profile")
 """What a resumed run keeps: its checkpoints, and the traces of steps before the resume."""
+KEPT_FILES_ON_RESUME = ("metrics.jsonl", "reference_logps.safetensors")
+"""And of its files: the metrics (cut to the step resumed), a preference run's precomputed reference."""
 
 
 def check_output_dir(output_dir: Path, *, overwrite: bool, resume_from: Path | None, max_steps: int | None) -> None:
@@ -83,7 +85,7 @@ def claim_output_dir(output_dir: Path, resumed_step: int | None) -> None:
         if resumed_step is None or name not in KEPT_ON_RESUME:
             shutil.rmtree(output_dir / name, ignore_errors=True)
     for name in RUN_FILES:
-        if resumed_step is None or name != "metrics.jsonl":
+        if resumed_step is None or name not in KEPT_FILES_ON_RESUME:
             (output_dir / name).unlink(missing_ok=True)
     if resumed_step is None:
         return

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import datasets
@@ -25,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from finetune.config import DataConfig, SourceConfig
 from finetune.data.chat import encode_chats
 from finetune.data.pack import collate_packed, collate_padded, pack
+from finetune.data.preference import PairStats, collate_pairs, prepare_pairs
 from finetune.data.sources import check_sources, hold_out, load_source, load_split, numbered, take_fraction
 from finetune.data.tokenize import IGNORE, detect_format, tokenize
 from finetune.distributed import main_process_first
@@ -131,14 +133,24 @@ def _stats(tokenized: datasets.Dataset, cfg: DataConfig) -> DataStats:
 class Data:
     train_loader: DataLoader
     eval_loader: DataLoader | None
-    train_stats: DataStats
-    eval_stats: DataStats | None
+    train_stats: DataStats | PairStats
+    eval_stats: DataStats | PairStats | None
+    splits: list[datasets.Dataset] = dataclasses.field(default_factory=list)
+    """Preference data: the train and eval pairs, numbered in one range (`pair_index`), for the reference."""
+    collate: Callable[[list[dict]], dict[str, torch.Tensor]] | None = None
 
 
 def build_data(
-    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, accelerator: Accelerator, *, seed: int, micro_batch_size: int
+    cfg: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    accelerator: Accelerator,
+    *,
+    seed: int,
+    micro_batch_size: int,
+    preference: bool = False,
 ) -> Data:
-    """Train and eval dataloaders (not yet prepared). The main process tokenizes first; the others hit its cache."""
+    """Train and eval dataloaders (not yet prepared). The main process tokenizes first; the others hit its cache.
+    `preference`: the samples are chosen/rejected pairs, batched a micro-batch of pairs at a time."""
 
     def load_and_prepare():
         train_raw = [(source, load_source(source)) for source in cfg.sources()]
@@ -152,6 +164,12 @@ def build_data(
                 train_raw[i] = (source, train_part)
                 eval_raw.append((source, held_out))
         train_raw = [(source, take_fraction(dataset, source, seed)) for source, dataset in train_raw]
+        if preference:
+            train = prepare_pairs(train_raw, tokenizer, cfg, [_where(source, cfg) for source, _ in train_raw])
+            if not eval_raw:
+                return train, (None, None)
+            wheres = [_where(source, cfg, evaluation=True) for source, _ in eval_raw]
+            return train, prepare_pairs(eval_raw, tokenizer, cfg, wheres, first_index=len(train[0]))
         train = prepare_split(train_raw, tokenizer, cfg, seed)
         return train, prepare_split(eval_raw, tokenizer, cfg, seed, evaluation=True) if eval_raw else (None, None)
 
@@ -162,7 +180,14 @@ def build_data(
             f"the training data yields {len(train_rows)} rows but one step needs micro_batch_size x processes = "
             f"{needed}; add data or lower train.micro_batch_size"
         )
-    collate = collate_packed if cfg.packing else functools.partial(collate_padded, pad_id=tokenizer.pad_token_id)
+    if preference:
+        collate = functools.partial(
+            collate_pairs, max_length=cfg.max_length, pad_id=tokenizer.pad_token_id, packing=cfg.packing
+        )
+    elif cfg.packing:
+        collate = collate_packed
+    else:
+        collate = functools.partial(collate_padded, pad_id=tokenizer.pad_token_id)
     train_loader = DataLoader(
         train_rows,
         batch_size=micro_batch_size,
@@ -174,4 +199,5 @@ def build_data(
     eval_loader = None
     if eval_rows is not None and len(eval_rows) > 0:
         eval_loader = DataLoader(eval_rows, batch_size=micro_batch_size, collate_fn=collate)
-    return Data(train_loader, eval_loader, train_stats, eval_stats)
+    splits = [split for split in (train_rows, eval_rows) if split is not None] if preference else []
+    return Data(train_loader, eval_loader, train_stats, eval_stats, splits, collate)

@@ -19,7 +19,10 @@ from finetune.data.sources import SAMPLE_INDEX
 from finetune.errors import FinetuneError
 
 IGNORE = -100
-FORMAT_COLUMNS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
+FORMAT_COLUMNS = {
+    "chat": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",),
+    "preference": ("chosen", "rejected"),
+}  # fmt: skip
 
 
 def detect_format(columns: list[str], requested: str) -> str:
@@ -139,6 +142,11 @@ def _tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg
             "the dataset is empty; point data.train_path (or the data.train source) at a file with samples"
         )
     fmt = detect_format([c for c in dataset.column_names if c != SAMPLE_INDEX], cfg.format)
+    if fmt == "preference":
+        raise FinetuneError(
+            "the data holds preference pairs (chosen, rejected); add a preference section to train on them "
+            "(e.g. preference.loss=dpo), or give supervised data"
+        )
     if fmt == "chat" and not tokenizer.chat_template:
         raise FinetuneError(
             "the data is chat (messages) but the tokenizer has no chat template; use an instruct model's tokenizer, "

@@ -1,0 +1,44 @@
+"""Supervised fine-tuning: next-token cross-entropy, averaged over every target token of a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+from finetune.data import IGNORE
+from finetune.loss import LossPath, batch_loss
+from finetune.wrap import reshard
+
+
+@dataclass(frozen=True)
+class Supervised:
+    loss_path: LossPath
+    unit_name: str = "target_tokens"
+    metric_names: tuple[str, ...] = ()
+    progress_name: str | None = None
+
+    def count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (batch["target_ids"] != IGNORE).sum()
+
+    def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch_loss(model, batch, self.loss_path).total, torch.zeros(0)
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, loader: DataLoader, accelerator: Accelerator) -> dict[str, float]:
+        """Mean loss per target token over the whole eval set (each row counted once, whatever the process count)."""
+        model.eval()
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        num_targets = torch.zeros((), dtype=torch.float64)
+        for batch in loader:
+            row_losses = batch_loss(model, batch, self.loss_path).per_row
+            row_targets = (batch["target_ids"] != IGNORE).sum(dim=1)
+            # gather_for_metrics drops the rows accelerate duplicated to give every process equal batches.
+            row_losses, row_targets = accelerator.gather_for_metrics((row_losses, row_targets))
+            loss_sum += row_losses.double().sum().cpu()
+            num_targets += row_targets.double().sum().cpu()
+        reshard(model)
+        model.train()
+        return {"loss": (loss_sum / num_targets.clamp(min=1)).item()}

@@ -1,0 +1,116 @@
+"""The precomputed reference of a preference run: the initial weights' log-probabilities of every pair.
+
+Before the first step the model is the reference, so its log-probabilities of each pair's chosen and
+rejected replies are computed once, under no_grad and in eval mode (dropout off), sharded exactly as
+training is (every process takes every world-size-th pair, all processes forward in lockstep, the
+results are gathered), with the same packing. DPO then needs no second model in memory.
+
+They are stored twice: beside the tokenized data in the `datasets` cache, under a key of the base's
+weights fingerprint, the tokenized pairs (data, template, max_length) and the numerics, so that a rerun
+reuses them and another base recomputes; and in the run's output folder, which a resumed run reads:
+by then the weights have trained, so they can never be recomputed there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from accelerate import Accelerator
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from finetune.errors import FinetuneError
+from finetune.loss import LossPath, sequence_logps
+from finetune.wrap import reshard
+
+REFERENCE_FILE = "reference_logps.safetensors"
+
+
+def reference_key(base_fingerprint: str | None, splits: list[datasets.Dataset], numerics: str) -> str:
+    """What the reference's values depend on: the base's weights, the tokenized pairs, the compute precision."""
+    parts = [base_fingerprint or "unknown", numerics, *(split._fingerprint for split in splits)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def read_reference(path: Path, key: str) -> torch.Tensor | None:
+    """The table stored at `path` under `key`, or None if there is none (or it is for other data or weights)."""
+    if not path.is_file():
+        return None
+    with safe_open(path, framework="pt") as f:
+        if (f.metadata() or {}).get("key") != key:
+            return None
+        return f.get_tensor("logps")
+
+
+def write_reference(path: Path, table: torch.Tensor, key: str) -> None:
+    """Written whole and renamed into place: a reader never sees half a table."""
+    partial = path.with_name(path.name + ".partial")
+    save_file({"logps": table.contiguous()}, partial, metadata={"key": key})
+    partial.replace(path)
+
+
+def cache_path(split: datasets.Dataset, key: str) -> Path | None:
+    """Where the table lives beside the tokenized pairs in the `datasets` cache (None for in-memory data)."""
+    files = split.cache_files
+    return Path(files[0]["filename"]).parent / f"reference-{key}.safetensors" if files else None
+
+
+@torch.no_grad()
+def compute_reference(
+    model: torch.nn.Module,
+    splits: list[datasets.Dataset],
+    collate: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]],
+    accelerator: Accelerator,
+    micro_batch_size: int,
+    loss_path: LossPath,
+) -> torch.Tensor:
+    """(pairs, 2): each pair's chosen and rejected log-probabilities under the model as it is, by `pair_index`
+    (train and eval pairs are numbered in one range). A collective: every process calls it."""
+    total = sum(len(split) for split in splits)
+    table = torch.full((total, 2), float("nan"), dtype=torch.float64)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    model.eval()
+    began = time.perf_counter()
+    for split in splits:
+        mine = list(range(rank, len(split), world))
+        per_process = math.ceil(len(split) / world)
+        mine += [mine[-1] if mine else 0] * (per_process - len(mine))  # equal forwards on every process
+        values, owners = [], []
+        for start in range(0, per_process, micro_batch_size):
+            rows = split.select(mine[start : start + micro_batch_size]).to_list()
+            batch = {key: value.to(accelerator.device) for key, value in collate(rows).items()}
+            logps = sequence_logps(model, batch, loss_path).double()
+            pairs = len(rows)
+            values.append(torch.stack([logps[:pairs], logps[pairs:]], dim=1))
+            owners.append(batch["pair_index"])
+        if not values:
+            continue
+        gathered = accelerator.gather(torch.cat(values)).cpu()
+        indices = accelerator.gather(torch.cat(owners)).cpu()
+        table[indices] = gathered
+    reshard(model)
+    model.train()
+    if torch.isnan(table).any():  # an invariant: every pair was computed by some process
+        raise RuntimeError("the precomputed reference misses pairs")
+    accelerator.print(
+        f"reference: log-probabilities of {total:,} pairs precomputed with the initial weights in "
+        f"{time.perf_counter() - began:.1f} s (preference.reference=precomputed)"
+    )
+    return table
+
+
+def check_resumable(table: torch.Tensor | None, output_dir: Path) -> torch.Tensor:
+    if table is None:
+        raise FinetuneError(
+            f"this preference run resumes from a checkpoint, but {output_dir / REFERENCE_FILE} (the reference "
+            "log-probabilities computed with the initial weights) is missing or was computed for other data or "
+            "another base; it cannot be recomputed from trained weights: restore it, or start a new run"
+        )
+    return table

@@ -1,0 +1,340 @@
+"""Preference tuning's pieces in one process: pairs tokenized through the chat path, packed or padded into
+one forward, per-sequence log-probabilities from the chunked head equal to the full logits', and each loss
+equal to what TRL computes for the same log-probabilities."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+import sys
+import types
+
+import datasets
+import pytest
+import torch
+import yaml
+from conftest import DEMO_RECIPE, REPO, Run, launch, recipe_overrides
+from safetensors.torch import load_file
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from finetune.config import DataConfig, PreferenceConfig
+from finetune.data import IGNORE
+from finetune.data.preference import collate_pairs, prepare_pairs
+from finetune.errors import FinetuneError
+from finetune.loss import sequence_logps
+from finetune.objectives.preference import pair_losses
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_assets):
+    return AutoTokenizer.from_pretrained(demo_assets / "base")
+
+
+def turn(role: str, content: str) -> dict:
+    return {"role": role, "content": content}
+
+
+def pairs_of(samples: list[dict], tokenizer, max_length: int = 64, first_index: int = 0):
+    cfg = DataConfig(train_path="x", max_length=max_length)
+    return prepare_pairs([(None, datasets.Dataset.from_list(samples))], tokenizer, cfg, [None], first_index)
+
+
+def test_each_side_is_the_conversation_as_rendered_with_its_last_reply_trained(tokenizer):
+    prompt = [turn("user", "reverse: 1 2 3")]
+    sample = {"prompt": prompt, "chosen": [turn("assistant", "3 2 1")], "rejected": [turn("assistant", "3 1 2")]}
+    pairs, stats = pairs_of([sample], tokenizer)
+    [row] = pairs.to_list()
+    for side, reply in (("chosen", "3 2 1"), ("rejected", "3 1 2")):
+        text = tokenizer.apply_chat_template([*prompt, turn("assistant", reply)], tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert row[f"{side}_ids"] == ids[: len(row[f"{side}_ids"])]  # the rendering, tokenized once
+        trained = [t for t in row[f"{side}_targets"] if t != IGNORE]
+        assert tokenizer.decode(trained) == f"{reply}<|end|>"  # the reply and its end-of-turn, nothing else
+    assert stats.num_pairs == 1 and row["pair_index"] == 0
+    # ultrafeedback_binarized's layout: a prompt string and whole conversations; the same tokens
+    whole = {"prompt": "reverse: 1 2 3", "chosen": prompt + sample["chosen"], "rejected": prompt + sample["rejected"]}
+    [same] = pairs_of([whole], tokenizer)[0].to_list()
+    assert same == row
+
+
+def test_text_pairs_get_bos_and_eos_once(tokenizer):
+    [row] = pairs_of([{"prompt": "reverse: 4 5", "chosen": " 5 4", "rejected": " 4 5"}], tokenizer)[0].to_list()
+    expected = tokenizer("reverse: 4 5")["input_ids"] + tokenizer(" 5 4", add_special_tokens=False)["input_ids"]
+    assert row["chosen_ids"] == expected + [tokenizer.eos_token_id]
+    assert row["chosen_ids"].count(tokenizer.eos_token_id) == 1
+
+
+def test_long_prompts_are_cut_from_the_left_and_pairs_that_cannot_fit_are_dropped(tokenizer):
+    prompt = [turn("user", " ".join(["7"] * 40))]
+    fits = {"prompt": prompt, "chosen": [turn("assistant", "1")], "rejected": [turn("assistant", "2")]}
+    too_long = {"prompt": prompt, "chosen": [turn("assistant", " ".join(["9"] * 40))], "rejected": fits["chosen"]}
+    same = {"prompt": [turn("user", "x")], "chosen": fits["chosen"], "rejected": fits["chosen"]}
+    pairs, stats = pairs_of([fits, too_long, same], tokenizer, max_length=24)
+    assert (stats.num_pairs, stats.num_truncated, stats.num_too_long, stats.num_identical) == (1, 1, 1, 1)
+    [row] = pairs.to_list()
+    assert len(row["chosen_ids"]) <= 24 and tokenizer.decode([t for t in row["chosen_targets"] if t != IGNORE]) == (
+        "1<|end|>"
+    )
+    with pytest.raises(FinetuneError, match="none of the 2 pairs can be trained"):
+        pairs_of([too_long, same], tokenizer, max_length=24)
+
+
+@pytest.mark.parametrize(
+    ("sample", "message"),
+    [
+        ({"prompt": [turn("user", "a")], "chosen": [turn("assistant", "b")], "rejected": [turn("user", "c")]},
+         "sample 0: rejected must end with the assistant reply"),
+        ({"chosen": [turn("user", "a"), turn("assistant", "b")],
+          "rejected": [turn("user", "z"), turn("assistant", "c")]},
+         "sample 0: chosen and rejected have different prompts"),
+        ({"prompt": "a", "chosen": "b", "rejected": 3}, "sample 0: rejected must be a list of messages or text"),
+        ({"prompt": "a", "chosen": "b"}, "preference data needs chosen and rejected columns"),
+    ],
+)  # fmt: skip
+def test_bad_pairs_name_the_sample(tokenizer, sample, message):
+    with pytest.raises(FinetuneError, match=message):
+        pairs_of([sample], tokenizer)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=128)  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def random_rows(count: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for n in range(count):
+        sides = {}
+        for side in ("chosen", "rejected"):
+            prompt, reply = (
+                torch.randint(3, 96, (5 + n,), generator=generator).tolist(),
+                torch.randint(3, 96, (2 + 2 * n,), generator=generator).tolist(),
+            )
+            sides[f"{side}_ids"] = prompt + reply
+            sides[f"{side}_targets"] = [IGNORE] * (len(prompt) - 1) + reply + [IGNORE]
+        rows.append({**sides, "pair_index": n})
+    return rows
+
+
+def test_sequence_logps_packed_or_padded_chunked_or_full_are_one_value_and_one_gradient(model):
+    rows = random_rows(4)
+    results = {}
+    for packing in (True, False):
+        batch = collate_pairs(rows, max_length=40, pad_id=0, packing=packing)
+        if packing:
+            assert batch["input_ids"].shape[0] < 8  # sequences share rows
+        for path in ("chunked", "full_logits"):
+            copied = copy.deepcopy(model)
+            logps = sequence_logps(copied, batch, path)
+            weights = torch.linspace(-1, 1, logps.shape[0])
+            (logps * weights).sum().backward()  # a different weight per sequence, as a preference loss has
+            results[packing, path] = (logps.detach(), [p.grad.clone() for p in copied.parameters()])
+    reference_logps, reference_grads = results[False, "full_logits"]
+    # the reference by hand: each sequence alone, full logits
+    for n, row in enumerate(rows):
+        ids = torch.tensor([row["chosen_ids"]])
+        logits = model(input_ids=ids).logits[0].float().log_softmax(-1)
+        targets = torch.tensor(row["chosen_targets"])
+        kept = targets != IGNORE
+        assert logits[kept].gather(1, targets[kept].unsqueeze(1)).sum().item() == pytest.approx(
+            reference_logps[n].item(), abs=1e-5
+        )
+    for logps, grads in results.values():
+        torch.testing.assert_close(logps, reference_logps, atol=1e-5, rtol=0)
+        for grad, reference in zip(grads, reference_grads, strict=True):
+            torch.testing.assert_close(grad, reference, atol=1e-5, rtol=1e-4)
+
+
+def trl_cpo(loss_type: str, beta: float, smoothing: float = 0.0, gamma: float = 0.5):
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+
+    owner = types.SimpleNamespace(
+        loss_type=loss_type, beta=beta, label_smoothing=smoothing, simpo_gamma=gamma, alpha=0.0,
+        accelerator=types.SimpleNamespace(device="cpu"),
+    )  # fmt: skip
+    return lambda chosen, rejected: CPOTrainer.cpo_loss(owner, chosen, rejected)
+
+
+LOGPS = torch.tensor([-12.0, -30.5, -8.25, -41.0]), torch.tensor([-14.5, -28.0, -20.0, -39.5])
+REFERENCE = torch.tensor([-13.0, -29.0, -9.0, -40.0]), torch.tensor([-13.5, -29.5, -18.0, -40.5])
+TOKENS = torch.tensor([6.0, 15.0, 4.0, 20.0]), torch.tensor([7.0, 13.0, 9.0, 21.0])
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_dpo_and_ipo_equal_their_definitions_as_trl_writes_them(smoothing):
+    (chosen, rejected), (ref_chosen, ref_rejected), (ct, rt) = LOGPS, REFERENCE, TOKENS
+    beta = 0.1
+    ours = pair_losses(PreferenceConfig(beta=beta, label_smoothing=smoothing), chosen, rejected, ref_chosen,
+                       ref_rejected, ct, rt)  # fmt: skip
+    # TRL's CPO "sigmoid" loss is DPO's with the reference's log-ratios folded in (cDPO's smoothing included)
+    margins = (chosen - ref_chosen) - (rejected - ref_rejected)
+    trl_losses, *_ = trl_cpo("sigmoid", beta, smoothing)(margins, torch.zeros(4))
+    torch.testing.assert_close(ours.losses, trl_losses, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours.chosen_rewards, beta * (chosen - ref_chosen))
+    if smoothing == 0:  # TRL's DPOTrainer: -logsigmoid(beta * delta)
+        torch.testing.assert_close(ours.losses, -torch.nn.functional.logsigmoid(beta * margins))
+    # IPO as TRL's DPOTrainer computes it: log-ratios averaged per completion token
+    ipo = pair_losses(PreferenceConfig(loss="ipo", beta=beta), chosen, rejected, ref_chosen, ref_rejected, ct, rt)
+    delta = (chosen - ref_chosen) / ct - (rejected - ref_rejected) / rt
+    torch.testing.assert_close(ipo.losses, (delta - 1 / (2 * beta)) ** 2)
+    ln2 = pair_losses(PreferenceConfig(), chosen, rejected, chosen, rejected, ct, rt).losses
+    torch.testing.assert_close(
+        ln2, torch.full((4,), 0.693147), atol=1e-6, rtol=0
+    )  # the first step, reference = policy
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_simpo_equals_trls(smoothing):
+    (chosen, rejected), (ct, rt) = LOGPS, TOKENS
+    cfg = PreferenceConfig(loss="simpo", beta=2.0, simpo_gamma=0.8, label_smoothing=smoothing)
+    ours = pair_losses(cfg, chosen, rejected, None, None, ct, rt)
+    trl_losses, trl_chosen, trl_rejected = trl_cpo("simpo", 2.0, smoothing, 0.8)(chosen / ct, rejected / rt)
+    torch.testing.assert_close(ours.losses, trl_losses, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours.chosen_rewards, trl_chosen)
+
+
+def test_orpo_equals_trls():
+    from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+
+    (chosen, rejected), (ct, rt) = LOGPS, TOKENS
+    owner = types.SimpleNamespace(beta=0.25, accelerator=types.SimpleNamespace(device="cpu"))
+    ratio_losses, trl_chosen, *_ = ORPOTrainer.odds_ratio_loss(owner, chosen / ct, rejected / rt)
+    ours = pair_losses(PreferenceConfig(loss="orpo", beta=0.25), chosen, rejected, None, None, ct, rt)
+    # TRL's loss is its NLL term minus the odds-ratio term; the NLL of each pair is its chosen reply's mean
+    torch.testing.assert_close(ours.losses, -chosen / ct - ratio_losses, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours.chosen_rewards, trl_chosen)
+
+
+# ---- Real runs: 2 CPU processes through accelerate launch, sharing a few launches between assertions.
+
+DPO = {
+    "data.train_path": "{assets}/data/pairs_train.jsonl", "data.eval_path": "{assets}/data/pairs_eval.jsonl",
+    "data.format": "auto", "preference.loss": "dpo", "preference.beta": 0.1, "optim.lr": "1e-3",
+    "optim.warmup_steps": 0, "train.max_steps": 8, "train.micro_batch_size": 4, "train.eval_every_steps": 4,
+    "checkpoint.save_every_steps": 4, "checkpoint.keep_last": 2,
+}  # fmt: skip
+
+
+def preference_run(tmp_path, assets, config="fsdp2_full_shard.yaml", processes=2, **extra) -> Run:
+    output_dir = tmp_path / "out"
+    values = {key: str(value).format(assets=assets) for key, value in {**DPO, **extra}.items()}
+    result = launch(config, recipe_overrides(assets, output_dir, **values), num_processes=processes)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return Run(result, output_dir)
+
+
+@pytest.fixture(scope="module")
+def dpo_run(tmp_path_factory, demo_assets) -> Run:
+    """Full DPO under FSDP2 on 2 processes: precomputed reference, packed pairs, 8 steps of 8 pairs."""
+    return preference_run(tmp_path_factory.mktemp("dpo"), demo_assets)
+
+
+@pytest.mark.multiprocess
+def test_dpo_starts_at_ln2_logs_its_metrics_and_exports_the_trained_model(dpo_run):
+    metrics = dpo_run.metrics()
+    losses = {m["step"]: m for m in metrics if "loss" in m}
+    assert sorted(losses) == list(range(1, 9))
+    assert losses[1]["loss"] == pytest.approx(0.693147, abs=1e-6)  # the reference is the initial policy
+    assert losses[1]["rewards/margins"] == pytest.approx(0.0, abs=1e-6) and losses[1]["pairs"] == 8
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected"):
+        assert name in losses[8]
+    evaluated = [m for m in metrics if "eval_loss" in m]
+    assert [m["step"] for m in evaluated] == [4, 8] and "eval_rewards/accuracies" in evaluated[-1]
+    assert "reference: log-probabilities of 6,200 pairs precomputed with the initial weights" in dpo_run.log
+    assert (dpo_run.output_dir / "reference_logps.safetensors").is_file()
+    assert losses[8]["rewards/margins"] != 0.0 and 0.0 <= losses[8]["rewards/accuracies"] <= 1.0
+    script = (
+        "import sys, torch; from safetensors.torch import load_file; from transformers import AutoModelForCausalLM; "
+        "ref = load_file(sys.argv[2]); model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval(); "
+        "torch.no_grad().__enter__(); logits = model(input_ids=ref['input_ids']).logits; "
+        "print((logits - ref['logits']).abs().max().item())"
+    )
+    args = [str(dpo_run.output_dir / "final"), str(dpo_run.output_dir / "final_logits.safetensors")]
+    reloaded = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    assert reloaded.returncode == 0 and float(reloaded.stdout.split()[-1]) <= 1e-5, reloaded.stderr[-2000:]
+
+
+@pytest.mark.multiprocess
+def test_one_process_with_eight_micro_batches_equals_two_processes_with_four(dpo_run, demo_assets, tmp_path):
+    """The loss of a step is the mean over all its pairs, whatever the split: 1 x 1 x 8 (processes x
+    micro-batch x accumulation) against the fixture's 2 x 4 x 1."""
+    single = preference_run(tmp_path, demo_assets, processes=1, **{
+        "train.micro_batch_size": 1, "train.gradient_accumulation_steps": 8, "train.eval_every_steps": 0,
+        "checkpoint.save_every_steps": 0,
+    })  # fmt: skip
+    ours = {m["step"]: m for m in single.metrics() if "loss" in m}
+    theirs = {m["step"]: m for m in dpo_run.metrics() if "loss" in m}
+    assert sorted(ours) == sorted(theirs)
+    for step, logged in ours.items():
+        assert logged["loss"] == pytest.approx(theirs[step]["loss"], abs=1e-5), step
+        assert logged["grad_norm"] == pytest.approx(theirs[step]["grad_norm"], rel=1e-4), step
+    # 8 AdamW steps (lr 1e-3) amplify float rounding where a gradient is near 0: the weights agree to 1e-4 (a
+    # mean of per-micro-batch means instead of the mean over pairs would differ in the loss at step 1 already).
+    a = load_file(single.output_dir / "final" / "model.safetensors")
+    b = load_file(dpo_run.output_dir / "final" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("processes", "tolerance"), [(2, 0.0), (1, 1e-5)])
+def test_resume_is_exact_and_reads_the_precomputed_reference(dpo_run, demo_assets, tmp_path, processes, tolerance):
+    output_dir = tmp_path / "out"
+    shutil.copytree(dpo_run.output_dir / "checkpoints" / "step_4", output_dir / "checkpoints" / "step_4")
+    shutil.copy(dpo_run.output_dir / "reference_logps.safetensors", output_dir)
+    resumed = preference_run(tmp_path, demo_assets, processes=processes, **{
+        "checkpoint.resume": "auto", "train.micro_batch_size": 8 // processes,
+    })  # fmt: skip
+    assert "precomputed with the initial weights" not in resumed.log  # read, never recomputed from trained weights
+    expected = {m["step"]: m["loss"] for m in dpo_run.metrics() if "loss" in m}
+    losses = {m["step"]: m["loss"] for m in resumed.metrics() if "loss" in m}
+    assert sorted(losses) == [5, 6, 7, 8]
+    for step, loss in losses.items():
+        assert abs(loss - expected[step]) <= tolerance, (step, loss, expected[step])
+
+
+@pytest.mark.multiprocess
+def test_a_resume_without_its_reference_or_from_a_supervised_checkpoint_is_refused(dpo_run, one_process_run, tmp_path):
+    def train(output_dir, *extra):
+        overrides = [f"{key}={value}" for key, value in DPO.items() if not key.startswith("data.")]
+        command = [sys.executable, "-m", "finetune", "train", str(DEMO_RECIPE), *overrides, "data.format=auto",
+                   f"output.dir={output_dir}", "checkpoint.resume=auto", *extra]  # fmt: skip
+        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    supervised = tmp_path / "supervised"
+    shutil.copytree(one_process_run.output_dir / "checkpoints" / "step_8", supervised / "checkpoints" / "step_8")
+    recipe = yaml.safe_load((dpo_run.output_dir / "recipe.yaml").read_text())
+    data = [f"data.{key}={recipe['data'][key]}" for key in ("train_path", "eval_path")]
+    result = train(supervised, *data, f"model.name_or_path={recipe['model']['name_or_path']}")
+    assert result.returncode == 2 and "is of a supervised run, and this recipe trains preference" in result.stderr
+    assert "Traceback" not in result.stderr
+    without = tmp_path / "without_reference"
+    shutil.copytree(dpo_run.output_dir / "checkpoints" / "step_4", without / "checkpoints" / "step_4")
+    result = train(without, *data, f"model.name_or_path={recipe['model']['name_or_path']}")
+    assert result.returncode == 2 and "reference_logps.safetensors (the reference log-probabilities" in result.stderr
+    assert sorted(p.name for p in without.iterdir()) == ["checkpoints"]  # nothing written
+
+
+@pytest.fixture(scope="module")
+def lora_dpo_run(tmp_path_factory, demo_assets) -> Run:
+    """DPO with LoRA adapters under FSDP2 on 2 processes: the reference is the model with its adapters off."""
+    return preference_run(tmp_path_factory.mktemp("lora_dpo"), demo_assets, **{
+        "peft.r": 8, "train.max_steps": 4, "checkpoint.save_every_steps": 0, "train.eval_every_steps": 0,
+        "optim.lr": "5e-3",
+    })  # fmt: skip
+
+
+@pytest.mark.multiprocess
+def test_lora_dpo_uses_the_base_as_its_reference_and_exports_the_adapter(lora_dpo_run):
+    losses = {m["step"]: m for m in lora_dpo_run.metrics() if "loss" in m}
+    assert losses[1]["loss"] == pytest.approx(0.693147, abs=1e-6)  # adapters start as zero updates
+    assert losses[4]["rewards/margins"] != 0.0
+    assert (
+        "precomputed" not in lora_dpo_run.log
+        and not (lora_dpo_run.output_dir / "reference_logps.safetensors").exists()
+    )
+    assert (lora_dpo_run.output_dir / "final" / "adapter_model.safetensors").is_file()
