@@ -21,8 +21,8 @@ MAIN_PROCESS_PORT ?= 29500
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b train-70b train-qwen-7b train-mistral-7b \
-	train-8b-lora train-qwen-7b-lora train-70b-qlora train-qwen3-8b train-qwen-7b-tools
-.PHONY: help setup demo demo-lora train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu test lint format clean
+	train-8b-lora train-qwen-7b-lora train-70b-qlora train-qwen3-8b train-qwen-7b-tools train-8b-dpo train-qwen-7b-dpo
+.PHONY: help setup demo demo-lora demo-dpo train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu test lint format clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -53,6 +53,17 @@ demo-lora: $(STAMP) ## the offline demo with LoRA adapters instead of every weig
 	$(OFFLINE) $(PY) -m finetune demo build --dir $(DEMO_DIR)
 	$(MAKE) --no-print-directory train-tiny ARGS="output.dir=$(DEMO_DIR)/run-lora $(DEMO_LORA) $(ARGS)"
 	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run-lora
+
+# The second post-training stage on the demo: the SFT run's export (made first if missing) preference-tuned with
+# DPO on pairs of the training lists (the correct reversal preferred over a near miss), reference precomputed.
+DEMO_DPO := model.name_or_path=$(DEMO_DIR)/run/final data.train_path=$(DEMO_DIR)/data/pairs_train.jsonl \
+	data.eval_path=$(DEMO_DIR)/data/pairs_eval.jsonl data.format=auto preference.loss=dpo preference.beta=0.1 \
+	optim.lr=5e-5 optim.warmup_steps=5 train.max_steps=60 train.eval_every_steps=30 train.log_every_steps=10
+demo-dpo: $(STAMP) ## the demo's second stage: DPO of the SFT model on correct-vs-near-miss pairs; report before/after
+	$(OFFLINE) $(PY) -m finetune demo build --dir $(DEMO_DIR)
+	@test -f $(DEMO_DIR)/run/final/config.json || $(MAKE) --no-print-directory train-tiny
+	$(MAKE) --no-print-directory train-tiny ARGS="output.dir=$(DEMO_DIR)/run-dpo $(DEMO_DPO) $(ARGS)"
+	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run-dpo --before $(DEMO_DIR)/run/final
 
 # The demo model is tiny, so it trains in fp32 on any hardware (--mixed_precision no).
 train-tiny: $(STAMP) ## train the demo recipe (after `finetune demo build`)
@@ -110,6 +121,14 @@ train-qwen-7b-lora: ## Qwen2.5-7B-Instruct LoRA, UltraChat, 1 GPU, FSDP2 (more: 
 train-qwen-7b-lora: RECIPE = recipes/qwen/qwen2.5-7b-lora.yaml
 train-qwen-7b-lora: WRAP = Qwen2DecoderLayer
 train-qwen-7b-lora: NUM_PROCESSES = 1
+train-8b-dpo: ## Llama-3.1-8B-Instruct DPO (full), UltraFeedback, 8 GPUs, single-node preset
+train-8b-dpo: RECIPE = recipes/llama/llama-3.1-8b-dpo.yaml
+train-8b-dpo: CONFIG = accelerate_configs/single_node.yaml
+train-8b-dpo: NUM_PROCESSES = 8
+train-qwen-7b-dpo: ## Qwen2.5-7B-Instruct DPO with LoRA, UltraFeedback, 1 GPU, FSDP2
+train-qwen-7b-dpo: RECIPE = recipes/qwen/qwen2.5-7b-dpo-lora.yaml
+train-qwen-7b-dpo: WRAP = Qwen2DecoderLayer
+train-qwen-7b-dpo: NUM_PROCESSES = 1
 train-qwen-7b-tools: ## Qwen2.5-7B-Instruct LoRA, tool calling (Hermes function-calling data), 1 GPU, FSDP2
 train-qwen-7b-tools: RECIPE = recipes/qwen/qwen2.5-7b-tools-lora.yaml
 train-qwen-7b-tools: WRAP = Qwen2DecoderLayer

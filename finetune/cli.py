@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from finetune import demo
 
-            demo.build(args.dir) if args.action == "build" else demo.report(args.dir, args.run)
+            demo.build(args.dir) if args.action == "build" else demo.report(args.dir, args.run, args.before)
     except FinetuneError as exc:
         # Every rank hits the same user error; one copy of the message is enough, and rank 0 prints it.
         # torch's launcher stops all workers as soon as one exits with an error, so the others give rank 0
@@ -164,4 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     demo_parser.add_argument("action", choices=["build", "report"])
     demo_parser.add_argument("--dir", default="outputs/demo", help="demo working folder (base model and data)")
     demo_parser.add_argument("--run", default="outputs/demo/run", help="output.dir of the demo training run")
+    demo_parser.add_argument(
+        "--before", help="report: the model the run started from (default: the demo's base), e.g. the SFT export"
+    )
     return parser

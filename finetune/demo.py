@@ -9,6 +9,7 @@ compares them on the held-out set: loss per answer token and exact-match accurac
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from pathlib import Path
@@ -141,10 +142,12 @@ def exported_model(output_dir: Path) -> Path:
     return output_dir / "final_merged" if (final / "adapter_config.json").exists() else final
 
 
-def report(workdir: str, output_dir: str = "outputs/demo/run") -> None:
-    """Print base vs fine-tuned loss and exact-match accuracy on the held-out test set."""
+def report(workdir: str, output_dir: str = "outputs/demo/run", before: str | None = None) -> None:
+    """Print before vs after (the base, or `before`: the supervised run a preference run started from) loss
+    and exact-match accuracy on the held-out test set; for a preference run also how often each model
+    prefers the correct reversal of a held-out pair, and the reward accuracy of the trained one."""
     root = Path(workdir)
-    base_dir, tuned_dir = root / "base", exported_model(Path(output_dir))
+    base_dir, tuned_dir = Path(before) if before else root / "base", exported_model(Path(output_dir))
     for folder in (base_dir, tuned_dir):
         if not (folder / "config.json").exists():
             raise FinetuneError(
@@ -152,16 +155,37 @@ def report(workdir: str, output_dir: str = "outputs/demo/run") -> None:
             )
     examples = [json.loads(line) for line in (root / "data" / "test.jsonl").read_text().splitlines()]
     tokenizer = AutoTokenizer.from_pretrained(tuned_dir)
-    rows = []
-    for label, folder in (("base (random init)", base_dir), ("fine-tuned (exported)", tuned_dir)):
+    pairs_file = root / "data" / "pairs_eval.jsonl"
+    preference = (Path(output_dir) / "recipe.yaml").is_file() and "preference:" in (
+        Path(output_dir) / "recipe.yaml"
+    ).read_text().replace("preference: null", "")
+    pairs = [json.loads(line) for line in pairs_file.read_text().splitlines()] if preference else []
+    first = "before (supervised)" if before else "base (random init)"
+    rows, logps = [], []
+    second = "after (preference)" if pairs else "fine-tuned (exported)"
+    for label, folder in ((first, base_dir), (second, tuned_dir)):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         loss = _answer_loss(model, tokenizer, examples)
         correct, samples = _exact_match(model, tokenizer, examples)
         rows.append((label, loss, correct, samples))
+        if pairs:
+            logps.append(_pair_logps(model, tokenizer, pairs))
     print(f"\nheld-out test set: {len(examples)} lists never seen in training\n")
-    print(f"{'model':<24}{'loss/answer token':>20}{'exact match':>20}")
-    for label, loss, correct, _ in rows:
-        print(f"{label:<24}{loss:>20.4f}{f'{correct}/{len(examples)} ({100 * correct / len(examples):.1f}%)':>20}")
+    print(f"{'model':<24}{'loss/answer token':>20}{'exact match':>20}" + ("  prefers correct" if pairs else ""))
+    for (label, loss, correct, _), *pair_logps in itertools.zip_longest(rows, logps):
+        line = f"{label:<24}{loss:>20.4f}{f'{correct}/{len(examples)} ({100 * correct / len(examples):.1f}%)':>20}"
+        if pair_logps and pair_logps[0] is not None:
+            chosen, rejected = pair_logps[0]
+            line += f"{f'{int((chosen > rejected).sum())}/{len(pairs)}':>18}"
+        print(line)
+    if pairs:
+        (before_chosen, before_rejected), (after_chosen, after_rejected) = logps
+        margins = (after_chosen - before_chosen) - (after_rejected - before_rejected)
+        print(
+            f"\nheld-out pairs ({len(pairs)}, correct reversal vs a near miss): reward accuracy of the tuned model "
+            f"{int((margins > 0).sum())}/{len(pairs)} (its log-ratio to the model it started from is higher for the "
+            "correct reply)"
+        )
     print("\nexamples (fine-tuned):")
     for prompt, expected, answer in rows[-1][3][:5]:
         mark = "ok " if answer == expected else "bad"
@@ -178,6 +202,21 @@ def _answer_loss(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, exa
         total += torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum").item()
         count += int((targets != IGNORE).sum())
     return total / count
+
+
+@torch.no_grad()
+def _pair_logps(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, pairs: list[dict]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed log-probabilities of each pair's chosen and rejected reply (through its end-of-turn)."""
+    sides = []
+    for side in ("chosen", "rejected"):
+        values = []
+        for ids, trained in encode_chats([pair["prompt"] + pair[side] for pair in pairs], tokenizer, True):
+            log_probs = model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
+            values.append(sum(log_probs[i - 1, ids[i]].item() for i in range(1, len(ids)) if trained[i]))
+        sides.append(torch.tensor(values))
+    return sides[0], sides[1]
 
 
 @torch.no_grad()

@@ -194,7 +194,7 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
         gather = int(shape.parameters * gathered_bytes)
     else:  # DDP keeps full parameters; low-precision compute adds cast copies
         gather = shape.parameters * compute_bytes if compute_bytes != param_bytes else 0
-    tokens = recipe.train.micro_batch_size * recipe.data.max_length
+    tokens = _sequences(recipe) * recipe.data.max_length
     activations = activation_bytes(shape, tokens, compute_bytes, checkpointing="none", loss=recipe.train.loss)
     checkpointed = activation_bytes(shape, tokens, compute_bytes, checkpointing="full", loss=recipe.train.loss)
     selective = activation_bytes(shape, tokens, compute_bytes, checkpointing="selective", loss=recipe.train.loss)
@@ -213,6 +213,18 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
         strategy, parameters, gradients, optimizer, gather, activations, checkpointed, selective, host_load,
         host_export, device_load,
     )  # fmt: skip
+
+
+def _micro_batch(recipe: RecipeConfig) -> str:
+    if recipe.preference is None:
+        return str(recipe.train.micro_batch_size)
+    return f"{recipe.train.micro_batch_size} pairs ({_sequences(recipe)} sequences)"
+
+
+def _sequences(recipe: RecipeConfig) -> int:
+    """Sequences in one forward: a micro-batch of pairs is twice its size (chosen and rejected). The reference's
+    pass (precomputed before training, or the adapters switched off) runs without gradients: no activations kept."""
+    return recipe.train.micro_batch_size * (2 if recipe.preference is not None else 1)
 
 
 def _trainable(shape: ModelShape) -> str:
@@ -240,7 +252,7 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     unit_name, gib = ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
     lines = [
         f"{shape.name}: {shape.parameters:,} parameters ({recipe.model.dtype}){_trainable(shape)}, largest wrap unit "
-        f"{shape.largest_unit:,}; micro-batch {recipe.train.micro_batch_size} x {recipe.data.max_length} tokens; "
+        f"{shape.largest_unit:,}; micro-batch {_micro_batch(recipe)} x {recipe.data.max_length} tokens; "
         f"{launch.num_processes} processes on {launch.num_machines} machine(s); mixed precision "
         f"{launch.mixed_precision}",
         f"per device, {unit_name} (device memory {gpu_memory / gib:.1f}):",

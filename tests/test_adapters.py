@@ -454,3 +454,18 @@ def test_an_export_never_writes_over_the_base_or_another_run(lora_run, one_proce
     with pytest.raises(FinetuneError, match="is a training run's output folder .* which --overwrite would delete"):
         export_checkpoint(checkpoint, one_process_run.output_dir, overwrite=True)
     assert (one_process_run.output_dir / "checkpoints" / "step_8").is_dir()
+
+
+def test_qlora_under_bf16_compute_packs_its_weights_in_bf16_whatever_model_dtype(demo_assets, tmp_path):
+    """One key turns QLoRA on: with fp32 master weights (model.dtype float32) under a bf16 accelerate config, the
+    4-bit weights are packed in bf16 storage, which FSDP's bf16 cast leaves as it is, and the run trains."""
+    overrides = {**QLORA, "train.max_steps": 2, "checkpoint.save_every_steps": 0, "output.export": "false"}
+    result = launch(
+        "fsdp2_full_shard.yaml", recipe_overrides(demo_assets, tmp_path / "out", **overrides),
+        launch_args=("--mixed_precision", "bf16"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    log = result.stdout + result.stderr
+    assert "its linear weights in 4 bits (nf4, packed in bfloat16 storage" in log and "compute in bfloat16" in log
+    losses = Run(result, tmp_path / "out").losses()
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)

@@ -62,9 +62,10 @@ def _encode_pairs(
 ) -> dict[str, list]:
     indices = batch.pop(SAMPLE_INDEX, indices)
     prompts = batch.get("prompt", [None] * len(indices))
+    tools = batch.get("tools")  # per sample, given to the template for both sides
     sides = {}
     for side in PAIR_COLUMNS:
-        sides[side] = _encode_side(prompts, batch[side], side, indices, tokenizer)
+        sides[side] = _encode_side(prompts, batch[side], side, indices, tokenizer, tools)
     out: dict[str, list] = {key: [] for key in PAIRS}
     for n, index in enumerate(indices):
         (chosen, chosen_start), (rejected, rejected_start) = sides["chosen"][n], sides["rejected"][n]
@@ -92,7 +93,12 @@ def _encode_pairs(
 
 
 def _encode_side(
-    prompts: list[Any], replies: list[Any], side: str, indices: list[int], tokenizer: PreTrainedTokenizerBase
+    prompts: list[Any],
+    replies: list[Any],
+    side: str,
+    indices: list[int],
+    tokenizer: PreTrainedTokenizerBase,
+    tools: list[Any] | None = None,
 ) -> list[tuple[list[int], int]]:
     """Each sample's ids for one side, and where its reply starts (its prompt is what comes before)."""
     if all(isinstance(reply, str) for reply in replies):
@@ -119,7 +125,7 @@ def _encode_side(
         # A prompt given as messages comes before the reply's; given as text beside whole conversations
         # (ultrafeedback_binarized), it is their first turn again.
         conversations.append([*prompt, *reply] if isinstance(prompt, list) else reply)
-    rendered = render_chats(conversations, tokenizer, True, indices, multi_turn="last")
+    rendered = render_chats(conversations, tokenizer, True, indices, multi_turn="last", tools=tools)
     encoded = encode_rendered(rendered, tokenizer)
     starts = []
     for ids, ranges in zip(encoded.ids, encoded.ranges, strict=True):
