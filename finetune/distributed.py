@@ -224,7 +224,10 @@ def _mixed_precision_policy(fsdp_version: int, mixed_precision: str, param_dtype
     if compute is None or (param_dtype != torch.float32 and fsdp_version == 1):
         return None
     if fsdp_version == 2:
-        return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, output_dtype=compute)
+        # No output_dtype: it would cast every floating output of the root to the compute dtype, the fp32 loss
+        # and per-token log-probabilities the chunked head returns as the model's output included (a summed
+        # loss rounded to bf16 loses its third digit; a preference run's log-ratios, all of them).
+        return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
     return MixedPrecision(param_dtype=compute, reduce_dtype=torch.float32, buffer_dtype=compute)
 
 

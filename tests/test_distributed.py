@@ -60,3 +60,39 @@ def test_fsdp2_checkpointing_of_a_model_with_dropout_moves_to_transformers():
     offloaded = _plugin(activation_checkpointing=True, activation_checkpointing_offload=True)
     with pytest.raises(FinetuneError, match="set fsdp_activation_checkpointing: false"):
         checkpoint_dropout_exactly(offloaded, _gpt2())
+
+
+def test_under_bf16_fsdp2_the_loss_and_log_probs_stay_fp32():
+    """The chunked head returns the summed loss (and a preference run's per-token log-probabilities) as the model's
+    output: FSDP2's mixed-precision policy must not round the root's outputs to bf16 (the loss would lose its
+    third digit). One process, a 1-rank gloo group, the policy training uses."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from finetune.data import IGNORE
+    from finetune.distributed import _mixed_precision_policy, free_port
+    from finetune.loss import batch_loss, sequence_logps
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = _llama(tie_word_embeddings=False)
+        policy = _mixed_precision_policy(2, "bf16", torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        ids = torch.randint(3, 64, (2, 24))
+        targets = torch.cat([ids[:, 1:], torch.full((2, 1), IGNORE)], dim=1)
+        batch = {"input_ids": ids, "target_ids": targets, "attention_mask": torch.ones_like(ids)}
+        total = batch_loss(model, batch, "chunked").total
+        reference = batch_loss(model, batch, "full_logits").total
+        assert total.dtype == torch.float32
+        # bf16 would round a sum near 190 to a multiple of 1 (8 bits of mantissa); fp32 keeps it to 1e-4 here
+        assert total.item() == pytest.approx(reference.item(), abs=1e-2)
+        assert total.item() != round(total.item())
+        sequences = torch.where(targets != IGNORE, torch.arange(2).unsqueeze(1), -1)
+        batch = {**batch, "sequence_ids": sequences, "sequence_targets": torch.tensor([23, 23])}
+        logps = sequence_logps(model, batch, "chunked")
+        assert logps.dtype == torch.float32 and logps.sum().item() == pytest.approx(-total.item(), abs=1e-2)
+    finally:
+        dist.destroy_process_group()
