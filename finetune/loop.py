@@ -486,12 +486,13 @@ def train_step(
     counts = [
         sum(objective.count(b) for b in micro_batches),
         sum(b["num_tokens"] for b in micro_batches),
+        sum(b["input_ids"].numel() for b in micro_batches),  # token slots, padding included: the rows' fill
         sum(flops.batch(b, b["num_tokens"]) for b in micro_batches) if flops is not None else torch.zeros(()),
     ]
     # One all-reduce, one device sync: every process needs the global unit count before its first backward.
     # float64 holds the counts exactly (below 2**53) and the FLOPs.
     counts = torch.stack([torch.as_tensor(c).to(accelerator.device, torch.float64) for c in counts])
-    num_units, num_tokens, step_flops = accelerator.reduce(counts, "sum").tolist()
+    num_units, num_tokens, num_slots, step_flops = accelerator.reduce(counts, "sum").tolist()
     # DDP and FSDP average gradients over processes; multiplying by the process count turns that
     # average into a sum, so the update is the gradient of (all unit losses) / (all units of the step).
     scale = accelerator.num_processes / max(num_units, 1)
@@ -525,6 +526,7 @@ def train_step(
     if probe is not None:
         probe.measure_update(optimizer)
     optimizer.zero_grad(set_to_none=True)
+    step_metrics["fill"] = num_tokens / max(num_slots, 1)
     return StepResult(loss, grad_norm, int(num_tokens), int(num_units), step_flops, stops > 0, step_metrics)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import yaml
@@ -82,8 +84,10 @@ def test_run_logs_setup_and_metrics(fsdp2_run):
     metrics = fsdp2_run.metrics()
     step_metrics = [m for m in metrics if "loss" in m]
     assert set(step_metrics[0]) == {
-        "step", "loss", "lr", "grad_norm", "tokens_per_second", "step_seconds", "target_tokens"
+        "step", "loss", "lr", "grad_norm", "tokens_per_second", "step_seconds", "target_tokens", "fill"
     }  # fmt: skip
+    assert 0.9 < step_metrics[0]["fill"] <= 1.0  # real tokens / row slots of the step's packed rows
+    assert re.search(r"train data: .*, \d[\d,]* rows filled to (9\d\.\d)%", log)
     assert "mfu" not in step_metrics[0]  # logged only where the device's peak FLOP/s is known (GPUs)
     assert [m["step"] for m in metrics if "eval_loss" in m] == [8, 16]
     assert list((fsdp2_run.output_dir / "finetune").rglob("events.out.tfevents.*")), "tensorboard wrote nothing"

@@ -52,6 +52,8 @@ class DataStats:
     """Samples that are one reply of a conversation expanded per turn (data.multi_turn=per_turn)."""
     num_reasoning_tokens: int = 0
     reasoning_trained: bool = True
+    row_length: int = 0
+    """Tokens per packed row (0: not packed), for the rows' fill: real tokens / row slots."""
     sources: tuple[tuple[str, DataStats], ...] = ()
     """Per source of a mixture (`data.train`): its name and its own figures (rows: 0, rows are mixed)."""
 
@@ -68,6 +70,8 @@ class DataStats:
             trained = "trained" if self.reasoning_trained else "not trained"
             reasoning = f", {self.num_reasoning_tokens:,} of reasoning ({trained})"
         rows = f", {self.num_rows:,} rows" if self.num_rows else ""
+        if self.num_rows and self.row_length:
+            rows += f" filled to {100 * self.num_tokens / (self.num_rows * self.row_length):.1f}%"
         return (
             f"{split}: {self.num_samples:,} samples{expanded}, {self.num_tokens:,} tokens "
             f"({self.num_target_tokens:,} trained{reasoning}), {self.num_truncated:,} truncated, "
@@ -98,7 +102,8 @@ def prepare_split(
         )
     rows = pack(kept.shuffle(seed=seed), cfg.max_length, tokenizer.pad_token_id) if cfg.packing else kept
     per_source = tuple((source, _stats(t, cfg)) for source, t in tokenized) if len(tokenized) > 1 else ()
-    stats = dataclasses.replace(_stats(every, cfg), num_rows=len(rows), sources=per_source)
+    row_length = cfg.max_length if cfg.packing else 0
+    stats = dataclasses.replace(_stats(every, cfg), num_rows=len(rows), sources=per_source, row_length=row_length)
     return rows, stats
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import functools
 from typing import Any
 
@@ -10,9 +11,16 @@ import torch
 
 from finetune.data.tokenize import IGNORE
 
+WINDOW = 2000
+"""Samples packed together: each window of the (seeded, shuffled) data is packed on its own, so packing is
+the same on any process count and costs no pass over the whole data; 2,000 samples give the best fit
+enough choice to fill rows to about 98% on chat-like lengths (`make bench`, row "packing")."""
+
 
 def pack(dataset: datasets.Dataset, max_length: int, pad_id: int) -> datasets.Dataset:
-    """Greedily concatenate samples into rows of exactly `max_length` tokens.
+    """Concatenate samples into rows of exactly `max_length` tokens, best-fit decreasing within each window:
+    the longest samples are placed first, each into the row it leaves the least room in (a new row when none
+    has room), so short samples fill the gaps the long ones leave. Deterministic for a given order.
 
     `position_ids` restart at 0 for each sample; transformers reads those restarts as sequence
     boundaries and builds a block-causal mask, so attention does not cross samples either.
@@ -20,34 +28,44 @@ def pack(dataset: datasets.Dataset, max_length: int, pad_id: int) -> datasets.Da
     return dataset.map(
         functools.partial(_pack_batch, max_length=max_length, pad_id=pad_id),
         batched=True,
-        batch_size=2000,
+        batch_size=WINDOW,
         remove_columns=dataset.column_names,
         desc="packing",
     )
 
 
+def best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """The samples (by index into `lengths`, each at most `capacity`) of each row, best-fit decreasing."""
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, row), sorted: the tightest row with room is found by bisection
+    for n in sorted(range(len(lengths)), key=lambda n: -lengths[n]):  # stable: equal lengths keep their order
+        at = bisect.bisect_left(free, (lengths[n], -1))
+        if at == len(free):
+            rows.append([n])
+            bisect.insort(free, (capacity - lengths[n], len(rows) - 1))
+        else:
+            room, row = free.pop(at)
+            rows[row].append(n)
+            bisect.insort(free, (room - lengths[n], row))
+    return rows
+
+
 def _pack_batch(batch: dict[str, list], *, max_length: int, pad_id: int) -> dict[str, list]:
     rows: dict[str, list] = {"input_ids": [], "target_ids": [], "position_ids": [], "num_tokens": []}
-    ids: list[int] = []
-    targets: list[int] = []
-    positions: list[int] = []
-
-    def flush() -> None:
+    samples_ids, samples_targets = batch["input_ids"], batch["target_ids"]
+    for members in best_fit([len(ids) for ids in samples_ids], max_length):
+        ids: list[int] = []
+        targets: list[int] = []
+        positions: list[int] = []
+        for n in members:
+            ids.extend(samples_ids[n])
+            targets.extend(samples_targets[n])
+            positions.extend(range(len(samples_ids[n])))
         padding = max_length - len(ids)
         rows["input_ids"].append(ids + [pad_id] * padding)
         rows["target_ids"].append(targets + [IGNORE] * padding)
         rows["position_ids"].append(positions + list(range(padding)))
         rows["num_tokens"].append(len(ids))
-
-    for sample_ids, sample_targets in zip(batch["input_ids"], batch["target_ids"], strict=True):
-        if len(ids) + len(sample_ids) > max_length:
-            flush()
-            ids, targets, positions = [], [], []
-        ids.extend(sample_ids)
-        targets.extend(sample_targets)
-        positions.extend(range(len(sample_ids)))
-    if ids:
-        flush()
     return rows
 
 
