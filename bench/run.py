@@ -369,6 +369,40 @@ class Bench:
             "pack_rate": {label: stats.num_tokens / seconds for label, seconds in timings.items()},
         }
 
+    def packing(self) -> dict:
+        """Rows' fill (real tokens / row slots) and the packing's own rate, best-fit decreasing (finetune's, within
+        each window of 2,000 samples) against next-fit (a row closed at the first sample that does not fit, as
+        finetune packed before): on the demo's chats (rows of 256) and on UltraChat-like lengths (log-normal,
+        median ~1,000 tokens, cut at the row length) in rows of 2,048 and 8,192."""
+        import datasets
+        import numpy
+        from transformers import AutoTokenizer
+
+        from finetune.config import DataConfig
+        from finetune.data.pack import WINDOW, best_fit
+        from finetune.data.tokenize import tokenize
+
+        tokenizer = AutoTokenizer.from_pretrained(self.work / "demo" / "base")
+        demo = datasets.load_dataset("json", data_files=str(self.data), split="train")
+        demo = tokenize(demo, tokenizer, DataConfig(train_path=str(self.data), max_length=256, format="chat"))
+        rng = numpy.random.default_rng(0)
+        count = 4 * WINDOW if self.quick else 25 * WINDOW
+        synthetic = numpy.exp(rng.normal(numpy.log(1000), 0.7, count)).astype(int)
+        sets = {"demo chats, rows of 256": ([len(ids) for ids in demo["input_ids"]], 256)}
+        for capacity in (2048, 8192):
+            sets[f"UltraChat-like, rows of {capacity:,}"] = (numpy.clip(synthetic, 8, capacity).tolist(), capacity)
+        results = {}
+        for name, (lengths, capacity) in sets.items():
+            windows = [lengths[start : start + WINDOW] for start in range(0, len(lengths), WINDOW)]
+            row = {"samples": len(lengths), "tokens": int(sum(lengths))}
+            for packer, pack in (("best_fit", best_fit), ("next_fit", _next_fit)):
+                began = time.perf_counter()
+                rows = sum(len(pack(window, capacity)) for window in windows)
+                row[packer] = {"rows": rows, "fill": sum(lengths) / (rows * capacity),
+                               "samples_per_second": len(lengths) / (time.perf_counter() - began)}  # fmt: skip
+            results[name] = row
+        return {"target_fill": 0.97, "window": WINDOW, "sets": results}
+
     def loss_path(self) -> dict:
         """train.loss chunked vs full_logits on a head-dominated shape (vocabulary 128,256, hidden 64, a row of
         2,048 tokens, fp32, one process; bench/loss_path.py): step peak and bytes saved for backward as
@@ -762,6 +796,32 @@ def _data_rows(data: dict) -> list[str]:
     ]
 
 
+def _next_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """finetune's packing before best fit: a row is closed as soon as the next sample does not fit."""
+    rows: list[list[int]] = [[]]
+    used = 0
+    for n, length in enumerate(lengths):
+        if used + length > capacity:
+            rows.append([])
+            used = 0
+        rows[-1].append(n)
+        used += length
+    return rows
+
+
+def _packing_rows(packing: dict) -> list[str]:
+    return [
+        _row(
+            f"packed rows' fill, best fit vs next fit ({name}, {row['samples']:,} samples)",
+            f"{row['best_fit']['fill']:.3f} ({row['best_fit']['rows']:,} rows)",
+            f"{row['next_fit']['fill']:.3f} ({row['next_fit']['rows']:,} rows)",
+            f"{row['next_fit']['rows'] / row['best_fit']['rows']:.2f}x fewer rows",
+            f">= {packing['target_fill']} fill",
+        )
+        for name, row in packing["sets"].items()
+    ]
+
+
 def _loss_rows(loss: dict) -> list[str]:
     shape, median, targets = loss["shape"], loss["median"], loss["targets"]
     memory = [
@@ -856,13 +916,14 @@ ROWS = {
     "export": _export_rows,
     "checkpoint_save": _save_rows,
     "data_pipeline": _data_rows,
+    "packing": _packing_rows,
     "loss_path": _loss_rows,
     "lora_vs_full": _lora_rows,
     "trl_lora": _trl_lora_rows,
     "merge": _merge_rows,
 }
-SECTIONS = ("data_pipeline", "loss_path", "loop_overhead", "trainer", "checkpoint_save", "scaling", "export",
-            "lora_vs_full", "trl_lora", "merge")  # fmt: skip
+SECTIONS = ("data_pipeline", "packing", "loss_path", "loop_overhead", "trainer", "checkpoint_save", "scaling",
+            "export", "lora_vs_full", "trl_lora", "merge")  # fmt: skip
 """Every comparison, in the order `make bench` runs them."""
 
 

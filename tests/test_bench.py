@@ -55,6 +55,8 @@ def test_make_bench_runs_every_comparison(tmp_path):
     assert set(data["sets"]) == {"short", "long"} and data["sets"]["long"]["tokens_per_sample"] > 1000
     assert all(positive(s) for d in data["sets"].values() for s in d["seconds"].values())
     assert all(positive(v) for v in data["pack_rate"].values())
+    packing = results["packing"]["sets"]  # fills, not times: best fit never needs more rows than next fit
+    assert len(packing) == 3 and all(row["best_fit"]["rows"] <= row["next_fit"]["rows"] for row in packing.values())
     # The chunked loss keeps less for backward than the full logits (a size, not a time).
     loss = results["loss_path"]["median"]
     assert all(positive(v) for path in loss.values() for v in path.values())

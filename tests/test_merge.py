@@ -107,3 +107,18 @@ def test_the_merge_needs_the_base_models_own_files(tmp_path):
     with pytest.raises(FinetuneError, match="which its index names; download the model again"):
         model_weight_files(folder)
     shutil.rmtree(folder)
+
+
+def test_a_qlora_merge_without_bitsandbytes_says_so(monkeypatch, tmp_path):
+    """Merging onto the 4-bit base as training saw it needs bitsandbytes; without it the message says so (and
+    names --merge-onto original), never that the checkpoint is damaged."""
+    import sys
+
+    base = llama()
+    base.save_pretrained(tmp_path / "base")
+    quantized = {"weights": ["model.layers.0.self_attn.q_proj.weight"], "blocksize": 64, "quant_type": "nf4",
+                 "compress_statistics": True, "dtype": "float32"}  # fmt: skip
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if it were not installed
+    with pytest.raises(FinetuneError, match="needs bitsandbytes: install it .* or pass --merge-onto original"):
+        MergedWeights(_SafetensorsWeights(model_weight_files(tmp_path / "base")), {},
+                      {"lora_alpha": 8, "r": 4}, set(), quantized)  # fmt: skip
