@@ -477,11 +477,6 @@ class RecipeConfig:
             errors.append(
                 f"a preference section trains on pairs, not data.format={self.data.format}; set data.format=auto"
             )
-        if self.preference is not None and self.preference.reference == "model":
-            errors.append(
-                "preference.reference=model (a second frozen copy) is not available yet; use reference=auto "
-                "(precomputed for full fine-tuning, the adapters switched off with a peft section)"
-            )
         return errors
 
     def to_dict(self) -> dict[str, Any]:

@@ -69,6 +69,7 @@ from finetune.model import (
     DTYPES,
     check_attention,
     check_max_length,
+    check_model_path,
     check_quantized_base,
     check_tied_weights,
     checkpoint_dropout_exactly,
@@ -94,7 +95,7 @@ from finetune.reference import (
     reference_key,
     write_reference,
 )
-from finetune.wrap import format_wrap_plan, fsdp_units, reshard, validate_wrap_policy
+from finetune.wrap import format_wrap_plan, fsdp_units, reshard, shard_frozen, validate_wrap_policy
 
 logger = logging.getLogger("finetune")
 
@@ -158,6 +159,8 @@ def preflight(recipe: RecipeConfig) -> Path | None:
     check_sources(recipe.data)
     check_max_length(recipe.model, recipe.data.max_length)
     check_attention(recipe.model)
+    if recipe.preference is not None and recipe.preference.reference_model:
+        check_model_path(recipe.preference.reference_model)
     check_quantized_base(recipe.model, adapters=recipe.peft is not None, export_merged=recipe.output.export_merged)
     problems = environment_problems(recipe)
     if problems:
@@ -316,6 +319,8 @@ def build_objective(
         return Supervised(loss_path), lambda: None
     reference = recipe.preference.resolved_reference(adapters=adapters is not None)
     objective = Preference(recipe.preference, loss_path, reference)
+    if reference == "model":
+        objective.reference_model = _reference_model(recipe, accelerator)
     if reference != "precomputed":
         return objective, lambda: None
     numerics = f"{loss_path}:{accelerator.mixed_precision}:{recipe.model.dtype}:{recipe.data.packing}"
@@ -333,6 +338,19 @@ def build_objective(
             write_reference(cached, table, key)
     objective.reference_logps = table
     return objective, functools.partial(write_reference, output_file, table, key)
+
+
+def _reference_model(recipe: RecipeConfig, accelerator: Accelerator) -> torch.nn.Module:
+    """preference.reference=model: the reference model, frozen, without dropout, in eval mode, in the policy's
+    parameter dtype and attention, sharded as the policy is."""
+    cfg = dataclasses.replace(recipe.model, name_or_path=recipe.preference.reference_model, config_file=None)
+    reference = load_model(cfg, "none")
+    reference.requires_grad_(False)
+    disable_dropout(reference)
+    reference.eval()
+    shard_frozen(reference, getattr(accelerator.state, "fsdp_plugin", None), accelerator.device)
+    accelerator.print(f"reference: {cfg.name_or_path}, frozen, sharded as the policy (preference.reference=model)")
+    return reference
 
 
 def _async_saver(

@@ -185,6 +185,8 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
         frozen_bytes -= shape.quantizable * param_bytes - int(shape.quantizable * _NF4_BYTES)
     device_load = frozen_bytes + trainable_bytes if nf4 else 0
     parameters = (frozen_bytes + trainable_bytes) // shards
+    if recipe.preference is not None and recipe.preference.reference == "model":
+        parameters += shape.parameters * param_bytes // shards  # the frozen reference, sharded as the policy
     gradients, optimizer = trainable_bytes // shards, 2 * trainable_bytes // shards
     # What an all-gather moves per parameter: QLoRA gathers the packed 4-bit weights as they are stored.
     gathered_bytes = _NF4_BYTES if nf4 else compute_bytes

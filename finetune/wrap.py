@@ -175,3 +175,23 @@ def format_wrap_plan(units: list[Unit]) -> str:
 
 def _range(sizes: list[int]) -> str:
     return f"{sizes[0]:,}" if len(set(sizes)) == 1 else f"{min(sizes):,}-{max(sizes):,}"
+
+
+def shard_frozen(model: torch.nn.Module, like: FullyShardedDataParallelPlugin | None, device: torch.device) -> None:
+    """Shard a frozen model that only runs forwards (a preference run's reference) as training shards the
+    policy: one FSDP2 unit per wrapped layer class, then the root, with the run's mixed-precision policy and
+    resharding after every forward. accelerate prepares only models that train (with an optimizer) under
+    FSDP2, and sharding the reference at the root alone would gather it whole for every forward. Without FSDP
+    (DDP, one process) the model is simply moved to the device."""
+    model.to(device)
+    if like is None or like.fsdp_version != 2:
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    classes = set(wrap_classes(like.transformer_cls_names_to_wrap or [], model))
+    policy = like.mixed_precision_policy
+    options = {"mp_policy": policy} if policy is not None and not isinstance(policy, dict) else {}
+    for module in model.modules():
+        if type(module).__name__ in classes:
+            fully_shard(module, reshard_after_forward=True, **options)
+    fully_shard(model, reshard_after_forward=True, **options)

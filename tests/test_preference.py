@@ -338,3 +338,35 @@ def test_lora_dpo_uses_the_base_as_its_reference_and_exports_the_adapter(lora_dp
         and not (lora_dpo_run.output_dir / "reference_logps.safetensors").exists()
     )
     assert (lora_dpo_run.output_dir / "final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.multiprocess
+def test_a_reference_model_gives_the_precomputed_references_losses(dpo_run, demo_assets, tmp_path):
+    """preference.reference=model: a second frozen copy, sharded with the policy's per-layer units, computes the
+    reference online; with the initial weights as that copy, every step equals the precomputed run's."""
+    online = preference_run(tmp_path, demo_assets, **{
+        "preference.reference": "model", "preference.reference_model": demo_assets / "base",
+        "train.eval_every_steps": 0, "checkpoint.save_every_steps": 0,
+    })  # fmt: skip
+    assert "frozen, sharded as the policy (preference.reference=model)" in online.log
+    assert "precomputed" not in online.log and not (online.output_dir / "reference_logps.safetensors").exists()
+    ours = {m["step"]: m["loss"] for m in online.metrics() if "loss" in m}
+    theirs = {m["step"]: m["loss"] for m in dpo_run.metrics() if "loss" in m}
+    assert sorted(ours) == sorted(theirs) and ours[1] == pytest.approx(0.693147, abs=1e-6)
+    for step, loss in ours.items():
+        assert loss == pytest.approx(theirs[step], abs=1e-5), step
+
+
+def test_impossible_preference_settings_are_refused_before_loading():
+    from finetune.config import ConfigError, load_recipe
+
+    for overrides, message in (
+        (["preference.loss=simpo", "preference.reference=precomputed"], "simpo uses no reference model"),
+        (["preference.reference=model"], "preference.reference=model needs preference.reference_model"),
+        (["preference.beta=0", "preference.label_smoothing=0.5"], r"beta must be > 0.*label_smoothing must be in"),
+        (["preference.loss=ipo", "preference.label_smoothing=0.1"], "label_smoothing applies to dpo and simpo"),
+        (["preference.simpo_gamma=1"], "simpo_gamma applies to loss: simpo"),
+        (["preference.loss=dpo", "data.format=chat"], "a preference section trains on pairs, not data.format=chat"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_recipe(DEMO_RECIPE, ["data.format=auto", *overrides])

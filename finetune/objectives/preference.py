@@ -8,6 +8,7 @@ against comes from one of:
 - `precomputed`: the initial weights' log-probabilities of every pair, computed once before the first
   step (`finetune.reference`) and looked up by the pair's index;
 - `adapters`: the same model with its adapters switched off (adapter runs: the base is the reference);
+- `model`: a second frozen model (`preference.reference_model`), sharded with the policy's per-layer units;
 - none, for the reference-free SimPO and ORPO.
 
 Rewards (logged, not trained): beta x the log-ratio to the reference for DPO and IPO, beta x the
@@ -89,6 +90,8 @@ class Preference:
     """precomputed, adapters or none (PreferenceConfig.reference resolved for the run)."""
     reference_logps: torch.Tensor | None = None
     """precomputed: (pairs, 2), the reference's chosen and rejected log-probabilities, by pair index."""
+    reference_model: torch.nn.Module | None = None
+    """model: the frozen reference, sharded as the policy is (`wrap.shard_frozen`)."""
     unit_name: str = "pairs"
     metric_names: tuple[str, ...] = METRICS
     progress_name: str | None = "rewards/accuracies"
@@ -117,6 +120,9 @@ class Preference:
         """The reference's log-probabilities of the batch's sequences (chosen, then rejected)."""
         if self.reference == "none":
             return None
+        if self.reference == "model":
+            with torch.no_grad():
+                return sequence_logps(self.reference_model, batch, self.loss_path)
         if self.reference == "adapters":
             from finetune.adapters import adapters_disabled
 
