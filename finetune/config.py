@@ -99,6 +99,14 @@ class DataConfig:
     eval_fraction: float = 0.0
     """Fraction of the training data held out for evaluation when `eval_path` is None (0 = no eval)."""
 
+    eval_samples: int | None = None
+    """Evaluate on a seeded subset of this many samples of the eval data (the same on every resume and process
+    count) instead of all of it; None evaluates everything."""
+
+    truncation: Literal["truncate", "drop"] = "truncate"
+    """A sample longer than `max_length`: truncate it (counted), or drop it (counted per source): a reasoning
+    trace cut short teaches the model to think without concluding."""
+
     format: Literal["auto", "chat", "prompt_completion", "text", "preference"] = "auto"
     """Sample layout: chat (`messages`), prompt_completion (`prompt`, `completion`), text (`text`),
     preference (`chosen`, `rejected`, and `prompt` unless they are whole conversations: needs a `preference`
@@ -152,6 +160,12 @@ class DataConfig:
             errors.append(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.eval_path is not None and self.eval_fraction > 0:
             errors.append("set data.eval_path or data.eval_fraction, not both")
+        if self.eval_samples is not None and self.eval_samples < 1:
+            errors.append(
+                f"data.eval_samples must be >= 1 (or left out to evaluate everything), got {self.eval_samples}"
+            )
+        if self.eval_samples is not None and self.eval_path is None and self.eval_fraction == 0:
+            errors.append("data.eval_samples takes a subset of the eval data, but there is none: set data.eval_path")
         if not self.completion_only_loss and not self.train_on_reasoning:
             errors.append(
                 "data.train_on_reasoning=false keeps reasoning out of the loss, but data.completion_only_loss=false "

@@ -437,3 +437,26 @@ def test_best_fit_fills_rows_of_chat_like_lengths_to_97_percent(capacity):
     print(f"rows of {capacity}: best fit {fill:.3f}, next fit {next_fit:.3f}")
     assert fill >= 0.97 and next_fit < fill - 0.05
     assert best_fit(lengths, capacity) == rows  # deterministic
+
+
+def test_eval_samples_are_a_seeded_subset_the_same_on_every_process_count(tmp_path, tokenizer):
+    write_chats(tmp_path / "train.jsonl", 100)
+    write_chats(tmp_path / "eval.jsonl", 60)
+    cfg = DataConfig(train_path=str(tmp_path / "train.jsonl"), eval_path=str(tmp_path / "eval.jsonl"),
+                     eval_samples=25, max_length=32, packing=False)  # fmt: skip
+    first = built(cfg, tokenizer).eval_loader.dataset["input_ids"]
+    assert len(first) == 25 and built(cfg, tokenizer).eval_loader.dataset["input_ids"] == first  # seeded
+    held = DataConfig(train_path=str(tmp_path / "train.jsonl"), eval_fraction=0.3, eval_samples=10, max_length=32)
+    assert built(held, tokenizer).eval_stats.num_samples == 10
+    with pytest.raises(FinetuneError, match="data.eval_samples=61 is more than the 60 eval samples there are"):
+        built(DataConfig(**{**cfg.__dict__, "eval_samples": 61}), tokenizer)
+
+
+def test_truncation_drop_leaves_long_samples_out_and_counts_them(tmp_path, tokenizer):
+    samples = [chat(("user", "reverse: " + " ".join(["7"] * n)), ("assistant", " ".join(["7"] * n))) for n in (2, 14)]
+    raw = datasets.Dataset.from_list([{"messages": messages} for messages in samples])
+    for truncation, kept in (("truncate", 2), ("drop", 1)):
+        cfg = DataConfig(train_path="x", max_length=32, packing=False, truncation=truncation)
+        rows, stats = prepare_split(raw, tokenizer, cfg, seed=0)
+        assert len(rows) == kept and stats.num_truncated == 1 and stats.num_dropped == 0
+        assert ("1 dropped as longer than data.max_length" in stats.describe("train")) == (truncation == "drop")

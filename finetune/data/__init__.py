@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import datasets
+import numpy
 import pyarrow.compute
 import torch
 from accelerate import Accelerator
@@ -45,6 +46,7 @@ class DataStats:
     num_samples: int
     num_truncated: int
     num_dropped: int
+    """Samples left with no target token (those dropped as too long are counted in `num_truncated` instead)."""
     num_tokens: int
     num_target_tokens: int
     num_rows: int
@@ -54,6 +56,8 @@ class DataStats:
     reasoning_trained: bool = True
     row_length: int = 0
     """Tokens per packed row (0: not packed), for the rows' fill: real tokens / row slots."""
+    long_dropped: bool = False
+    """data.truncation=drop: `num_truncated` samples were left out, not cut."""
     sources: tuple[tuple[str, DataStats], ...] = ()
     """Per source of a mixture (`data.train`): its name and its own figures (rows: 0, rows are mixed)."""
 
@@ -74,7 +78,8 @@ class DataStats:
             rows += f" filled to {100 * self.num_tokens / (self.num_rows * self.row_length):.1f}%"
         return (
             f"{split}: {self.num_samples:,} samples{expanded}, {self.num_tokens:,} tokens "
-            f"({self.num_target_tokens:,} trained{reasoning}), {self.num_truncated:,} truncated, "
+            f"({self.num_target_tokens:,} trained{reasoning}), {self.num_truncated:,} "
+            f"{'dropped as longer than data.max_length' if self.long_dropped else 'truncated'}, "
             f"{self.num_dropped:,} dropped with no target token{rows}"
         )
 
@@ -107,6 +112,27 @@ def prepare_split(
     return rows, stats
 
 
+def eval_subset(
+    parts: list[tuple[SourceConfig, datasets.Dataset]], samples: int, seed: int
+) -> list[tuple[SourceConfig, datasets.Dataset]]:
+    """`data.eval_samples`: a seeded subset of the eval data, each part (a held-out share of a source) keeping
+    its share of it; the same on any process count and on resume (it depends on the data and the seed only)."""
+    total = sum(len(dataset) for _, dataset in parts)
+    if samples > total:
+        raise FinetuneError(
+            f"data.eval_samples={samples:,} is more than the {total:,} eval samples there are; lower it, or leave it "
+            "out to evaluate on all of them"
+        )
+    generator = numpy.random.default_rng(seed)
+    subset, given = [], 0
+    for n, (source, dataset) in enumerate(parts):
+        share = samples - given if n == len(parts) - 1 else round(samples * len(dataset) / total)
+        given += share
+        chosen = numpy.sort(generator.permutation(len(dataset))[:share])
+        subset.append((source, dataset.select(chosen)))
+    return subset
+
+
 def _where(source: SourceConfig | None, cfg: DataConfig, evaluation: bool = False) -> str | None:
     """How data errors name a source: the recipe key that holds it, and whether it is evaluation data."""
     if source is None:
@@ -121,10 +147,13 @@ def _stats(tokenized: datasets.Dataset, cfg: DataConfig) -> DataStats:
     table = tokenized.with_format("arrow")[:]
     num_targets = table["num_targets"].to_numpy()
     lengths = pyarrow.compute.list_value_length(table["input_ids"]).to_numpy()
+    truncated = table["truncated"].to_numpy(zero_copy_only=False)
+    dropped_long = cfg.truncation == "drop"
     return DataStats(
         num_samples=len(tokenized),
-        num_truncated=int(pyarrow.compute.sum(table["truncated"]).as_py() or 0),
-        num_dropped=int((num_targets == 0).sum()),
+        num_truncated=int(truncated.sum()),
+        num_dropped=int(((num_targets == 0) & ~(truncated & dropped_long)).sum()),
+        long_dropped=dropped_long,
         num_tokens=int(lengths[num_targets > 0].sum()),
         num_target_tokens=int(num_targets.sum()),
         num_rows=0,
@@ -169,6 +198,8 @@ def build_data(
                 train_raw[i] = (source, train_part)
                 eval_raw.append((source, held_out))
         train_raw = [(source, take_fraction(dataset, source, seed)) for source, dataset in train_raw]
+        if eval_raw and cfg.eval_samples is not None:
+            eval_raw = eval_subset(eval_raw, cfg.eval_samples, seed)
         if preference:
             train = prepare_pairs(train_raw, tokenizer, cfg, [_where(source, cfg) for source, _ in train_raw])
             if not eval_raw:

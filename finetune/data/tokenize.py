@@ -72,6 +72,7 @@ def _tokenize_batch(
     completion_only: bool,
     multi_turn: MultiTurn = "full",
     train_on_reasoning: bool = True,
+    drop_long: bool = False,
 ) -> dict[str, list]:
     indices = batch.pop(SAMPLE_INDEX, indices)
     if fmt == "chat":
@@ -90,7 +91,9 @@ def _tokenize_batch(
             first = max(first, 1)  # the first token is nobody's target
             targets[first - 1 : last - 1] = ids[first:last]
         truncated.append(len(ids) > max_length)
-        if len(ids) > max_length:
+        if len(ids) > max_length and drop_long:  # data.truncation=drop: nothing of it is trained (counted)
+            ids, targets = [], []
+        elif len(ids) > max_length:
             ids, targets = ids[:max_length], targets[: max_length - 1] + [IGNORE]
         input_ids.append(ids)
         target_ids.append(targets)
@@ -160,6 +163,7 @@ def _tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg
         completion_only=cfg.completion_only_loss and fmt != "text",
         multi_turn=cfg.multi_turn,
         train_on_reasoning=cfg.train_on_reasoning,
+        drop_long=cfg.truncation == "drop",
     )
     return dataset.map(
         encode, batched=True, with_indices=True, remove_columns=dataset.column_names, desc=f"tokenizing ({fmt})",
