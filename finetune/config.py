@@ -103,6 +103,11 @@ class DataConfig:
     """Evaluate on a seeded subset of this many samples of the eval data (the same on every resume and process
     count) instead of all of it; None evaluates everything."""
 
+    invalid: Literal["refuse", "drop"] = "refuse"
+    """A malformed sample (see the errors table): refuse stops the run naming it; drop leaves it out and counts it
+    per source, with the first indices and reasons in the log. A source of which more than 1% is invalid stops
+    the run either way: that is the wrong data or the wrong column mapping, not a few bad rows."""
+
     truncation: Literal["truncate", "drop"] = "truncate"
     """A sample longer than `max_length`: truncate it (counted), or drop it (counted per source): a reasoning
     trace cut short teaches the model to think without concluding."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from finetune.config import DataConfig
+from finetune.config import DataConfig, SourceConfig
 from finetune.data import (
     IGNORE,
     check_sources,
@@ -460,3 +460,18 @@ def test_truncation_drop_leaves_long_samples_out_and_counts_them(tmp_path, token
         rows, stats = prepare_split(raw, tokenizer, cfg, seed=0)
         assert len(rows) == kept and stats.num_truncated == 1 and stats.num_dropped == 0
         assert ("1 dropped as longer than data.max_length" in stats.describe("train")) == (truncation == "drop")
+
+
+def test_invalid_samples_are_dropped_and_counted_or_stop_the_run_past_one_percent(tokenizer):
+    good = [{"messages": chat(("user", f"reverse: {i} 1"), ("assistant", f"1 {i}"))} for i in range(300)]
+    bad = {"messages": chat(("user", "no reply"))}
+    data = datasets.Dataset.from_list([*good[:150], bad, *good[150:]])
+    with pytest.raises(FinetuneError, match="sample 150 has no assistant message"):
+        prepare_split(data, tokenizer, DataConfig(train_path="x", max_length=32), seed=0)
+    cfg = DataConfig(train_path="x", max_length=32, invalid="drop", packing=False)
+    rows, stats = prepare_split(data, tokenizer, cfg, seed=0)
+    assert len(rows) == 300 and stats.num_invalid == 1 and stats.num_dropped == 0
+    assert "1 invalid dropped (first: sample 150 has no assistant message" in stats.describe("train")
+    many = datasets.Dataset.from_list([*good[:100], bad, bad])
+    with pytest.raises(FinetuneError, match=r"2 of its 102 samples are invalid, more than data.invalid=drop leaves"):
+        prepare_split([(SourceConfig(path="many.jsonl"), many)], tokenizer, cfg, seed=0)

@@ -58,6 +58,10 @@ class DataStats:
     """Tokens per packed row (0: not packed), for the rows' fill: real tokens / row slots."""
     long_dropped: bool = False
     """data.truncation=drop: `num_truncated` samples were left out, not cut."""
+    num_invalid: int = 0
+    """data.invalid=drop: malformed samples left out."""
+    invalid_examples: tuple[str, ...] = ()
+    """The first of them, with their reasons, for the log."""
     sources: tuple[tuple[str, DataStats], ...] = ()
     """Per source of a mixture (`data.train`): its name and its own figures (rows: 0, rows are mixed)."""
 
@@ -73,6 +77,8 @@ class DataStats:
         if self.num_reasoning_tokens:
             trained = "trained" if self.reasoning_trained else "not trained"
             reasoning = f", {self.num_reasoning_tokens:,} of reasoning ({trained})"
+        if self.num_invalid:
+            reasoning += f", {self.num_invalid:,} invalid dropped (first: {' | '.join(self.invalid_examples)})"
         rows = f", {self.num_rows:,} rows" if self.num_rows else ""
         if self.num_rows and self.row_length:
             rows += f" filled to {100 * self.num_tokens / (self.num_rows * self.row_length):.1f}%"
@@ -97,6 +103,8 @@ def prepare_split(
     tokenized = [
         (source, tokenize(dataset, tokenizer, cfg, _where(source, cfg, evaluation))) for source, dataset in parts
     ]
+    for source, part in tokenized if cfg.invalid == "drop" else ():
+        _check_invalid_share(part, _where(source, cfg, evaluation) or "the data")
     every = tokenized[0][1] if len(tokenized) == 1 else datasets.concatenate_datasets([t for _, t in tokenized])
     kept = every.filter(lambda counts: [n > 0 for n in counts], input_columns="num_targets", batched=True)
     if len(kept) == 0:
@@ -110,6 +118,19 @@ def prepare_split(
     row_length = cfg.max_length if cfg.packing else 0
     stats = dataclasses.replace(_stats(every, cfg), num_rows=len(rows), sources=per_source, row_length=row_length)
     return rows, stats
+
+
+MAX_INVALID_SHARE = 0.01
+"""data.invalid=drop stops a run when more than this share of one source is malformed."""
+
+
+def _check_invalid_share(tokenized: datasets.Dataset, where: str) -> None:
+    reasons = [reason for reason in tokenized["invalid"] if reason]
+    if len(reasons) > MAX_INVALID_SHARE * len(tokenized):
+        raise FinetuneError(
+            f"{where}: {len(reasons):,} of its {len(tokenized):,} samples are invalid, more than data.invalid=drop "
+            f"leaves out ({MAX_INVALID_SHARE:.0%}): the data or its columns mapping is wrong? First: {reasons[0]}"
+        )
 
 
 def eval_subset(
@@ -149,11 +170,15 @@ def _stats(tokenized: datasets.Dataset, cfg: DataConfig) -> DataStats:
     lengths = pyarrow.compute.list_value_length(table["input_ids"]).to_numpy()
     truncated = table["truncated"].to_numpy(zero_copy_only=False)
     dropped_long = cfg.truncation == "drop"
+    reasons = table["invalid"].to_pylist()
+    invalid = numpy.array([bool(reason) for reason in reasons], dtype=bool)
     return DataStats(
         num_samples=len(tokenized),
         num_truncated=int(truncated.sum()),
-        num_dropped=int(((num_targets == 0) & ~(truncated & dropped_long)).sum()),
+        num_dropped=int(((num_targets == 0) & ~(truncated & dropped_long) & ~invalid).sum()),
         long_dropped=dropped_long,
+        num_invalid=int(invalid.sum()),
+        invalid_examples=tuple(reason for reason in reasons if reason)[:3],
         num_tokens=int(lengths[num_targets > 0].sum()),
         num_target_tokens=int(num_targets.sum()),
         num_rows=0,

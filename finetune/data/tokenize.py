@@ -73,16 +73,19 @@ def _tokenize_batch(
     multi_turn: MultiTurn = "full",
     train_on_reasoning: bool = True,
     drop_long: bool = False,
+    drop_invalid: bool = False,
 ) -> dict[str, list]:
     indices = batch.pop(SAMPLE_INDEX, indices)
-    if fmt == "chat":
-        rendered = render_chats(batch["messages"], tokenizer, completion_only, indices, multi_turn, batch.get("tools"))
-        encoded = encode_rendered(rendered, tokenizer, train_on_reasoning)
-    elif fmt == "prompt_completion":
-        prompts, completions = _texts(batch, "prompt", indices), _texts(batch, "completion", indices)
-        encoded = _encoded(encode_prompt_completions(prompts, completions, tokenizer, completion_only))
-    else:
-        encoded = _encoded(encode_texts(_texts(batch, "text", indices), tokenizer))
+    encode = functools.partial(
+        _encode_samples, tokenizer=tokenizer, fmt=fmt, completion_only=completion_only, multi_turn=multi_turn,
+        train_on_reasoning=train_on_reasoning,
+    )  # fmt: skip
+    try:
+        encoded, invalid = encode(batch, indices), []
+    except FinetuneError:
+        if not drop_invalid:
+            raise
+        encoded, invalid = _encode_valid(batch, indices, encode)
     input_ids, target_ids, truncated, num_targets = [], [], [], []
     for ids, ranges in zip(encoded.ids, encoded.ranges, strict=True):
         # target_ids[i] is the token after input_ids[i] when that token is trained; the last has no successor.
@@ -101,7 +104,52 @@ def _tokenize_batch(
     return {
         "input_ids": input_ids, "target_ids": target_ids, "truncated": truncated, "num_targets": num_targets,
         "expanded": encoded.expanded, "num_reasoning": encoded.reasoning_tokens,
+        "invalid": invalid or [""] * len(input_ids),
     }  # fmt: skip
+
+
+def _encode_samples(
+    batch: dict[str, list],
+    indices: list[int],
+    *,
+    tokenizer: PreTrainedTokenizerBase,
+    fmt: str,
+    completion_only: bool,
+    multi_turn: MultiTurn,
+    train_on_reasoning: bool,
+) -> EncodedSamples:
+    if fmt == "chat":
+        rendered = render_chats(batch["messages"], tokenizer, completion_only, indices, multi_turn, batch.get("tools"))
+        return encode_rendered(rendered, tokenizer, train_on_reasoning)
+    if fmt == "prompt_completion":
+        prompts, completions = _texts(batch, "prompt", indices), _texts(batch, "completion", indices)
+        return _encoded(encode_prompt_completions(prompts, completions, tokenizer, completion_only))
+    return _encoded(encode_texts(_texts(batch, "text", indices), tokenizer))
+
+
+def _encode_valid(
+    batch: dict[str, list], indices: list[int], encode: functools.partial
+) -> tuple[EncodedSamples, list[str]]:
+    """data.invalid=drop, for a batch some sample of which was refused: each sample encoded alone, a refused one
+    kept as an empty sample carrying its reason (counted, and left out with the samples nothing trains)."""
+    ids, ranges, expanded, reasoning, invalid = [], [], [], [], []
+    columns = [column for column in batch if column != SAMPLE_INDEX]
+    for n, index in enumerate(indices):
+        try:
+            one = encode({column: batch[column][n : n + 1] for column in columns}, [index])
+        except FinetuneError as exc:
+            ids.append([])
+            ranges.append([])
+            expanded.append(False)
+            reasoning.append(0)
+            invalid.append(str(exc))
+            continue
+        ids += one.ids
+        ranges += one.ranges
+        expanded += one.expanded
+        reasoning += one.reasoning_tokens
+        invalid += [""] * len(one.ids)
+    return EncodedSamples(ids, ranges, expanded, reasoning), invalid
 
 
 def _encoded(samples: list[tuple[list[int], list[bool]]]) -> EncodedSamples:
@@ -164,6 +212,7 @@ def _tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg
         multi_turn=cfg.multi_turn,
         train_on_reasoning=cfg.train_on_reasoning,
         drop_long=cfg.truncation == "drop",
+        drop_invalid=cfg.invalid == "drop",
     )
     return dataset.map(
         encode, batched=True, with_indices=True, remove_columns=dataset.column_names, desc=f"tokenizing ({fmt})",
@@ -174,7 +223,7 @@ def _tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg
 TOKENIZED = datasets.Features({
     "input_ids": datasets.List(datasets.Value("int32")), "target_ids": datasets.List(datasets.Value("int32")),
     "truncated": datasets.Value("bool"), "num_targets": datasets.Value("int32"), "expanded": datasets.Value("bool"),
-    "num_reasoning": datasets.Value("int32"),
+    "num_reasoning": datasets.Value("int32"), "invalid": datasets.Value("string"),
 })  # fmt: skip
 """What tokenization writes, declared: `datasets` then infers no types from the values (a pass over every
 token), and ids take 4 bytes in the cache (inferred, targets took 8)."""
