@@ -33,6 +33,17 @@ _DROPOUT_MODULES = (
 _FINGERPRINT_SAMPLE = 4096  # bytes per sample of a weight file in weights_fingerprint
 
 
+def hub_problem(name_or_path: str, exc: BaseException) -> str | None:
+    """The one line for a hub model that cannot be had for its licence or a missing login, or None."""
+    text = str(exc)
+    if "gated" in text.lower() or "401" in text or "403" in text:
+        return (
+            f"{name_or_path} is a gated model: accept its licence on https://huggingface.co/{name_or_path} with your "
+            "hub account, then log in on this machine (`huggingface-cli login`, or set HF_TOKEN)"
+        )
+    return None
+
+
 def check_model_path(name_or_path: str) -> None:
     """A path meant as a local folder must exist; otherwise transformers reports it as a bad hub id."""
     looks_local = name_or_path.startswith(("/", "./", "../", "~")) or name_or_path.count("/") > 1
@@ -152,7 +163,8 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None) -> PreTra
         tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as exc:
         raise FinetuneError(
-            f"cannot load a tokenizer from {cfg.name_or_path!r} ({first_line(exc)}); set model.name_or_path "
+            hub_problem(cfg.name_or_path, exc)
+            or f"cannot load a tokenizer from {cfg.name_or_path!r} ({first_line(exc)}); set model.name_or_path "
             "to a hub id or a local folder holding the tokenizer files"
         ) from None
     if not tokenizer.is_fast:
@@ -231,7 +243,8 @@ def load_model(
         raise FinetuneError(f"cannot load {cfg.name_or_path!r}: {first_line(exc)}") from None
     except (OSError, ValueError, SafetensorError) as exc:  # SafetensorError: a truncated or damaged weights file
         raise FinetuneError(
-            f"cannot load a causal LM from {cfg.name_or_path!r} ({first_line(exc)}); set model.name_or_path "
+            hub_problem(cfg.name_or_path, exc)
+            or f"cannot load a causal LM from {cfg.name_or_path!r} ({first_line(exc)}); set model.name_or_path "
             "to a hub id or a local folder with config.json and safetensors weights"
         ) from None
     if attention == varlen.NAME and (reason := varlen.unsupported(model.config)) is not None:

@@ -202,3 +202,25 @@ def test_export_of_a_damaged_checkpoint_leaves_no_folder(fsdp2_run, tmp_path):
     out = tmp_path / "out"
     assert_user_error(run_cli("export", str(damaged), str(out)), "pytorch_model_fsdp_0/__1_0.distcp is 0 bytes of")
     assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_a_gated_model_without_a_login_is_one_line_naming_the_fix(monkeypatch):
+    """The hub's refusal of a gated model (meta-llama, Mistral) becomes one line: the licence page and the login."""
+    from transformers import AutoTokenizer
+
+    from finetune.config import ModelConfig
+    from finetune.errors import FinetuneError
+    from finetune.model import load_tokenizer
+
+    def refuse(*args, **kwargs):
+        raise OSError(
+            "You are trying to access a gated repo.\nMake sure to have access to it at "
+            "https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct.\n401 Client Error."
+        )
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", refuse)
+    with pytest.raises(FinetuneError) as info:
+        load_tokenizer(ModelConfig(name_or_path="meta-llama/Llama-3.1-8B-Instruct"))
+    message = str(info.value)
+    assert "\n" not in message and "huggingface-cli login" in message
+    assert "https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct" in message and "gated" in message
