@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -160,11 +160,19 @@ def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor) -> Iterato
         per_token.append(losses)
         return total.reshape(1)
 
+    with _head_forward(head, forward):
+        yield per_token
+
+
+@contextlib.contextmanager
+def _head_forward(head: torch.nn.Linear, forward: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """While inside, the head's forward is `forward` (inside the model's own forward, where FSDP has gathered
+    the head's parameters); afterwards the class's forward again."""
     head.forward = forward
     try:
-        yield per_token
+        yield
     finally:
-        del head.forward  # the class's forward again
+        del head.forward
 
 
 def chunk_rows(vocab_size: int, device: torch.device) -> int:
@@ -245,20 +253,13 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], path:
         per_token = per_position[kept.flatten()]
     else:
         head = output_head(model)
-        previous = head.__dict__.get("forward")
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
             return _LinearLogProbs.apply(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias, targets[kept])
 
-        head.forward = forward
-        try:
+        with _head_forward(head, forward):
             logits_to_keep = kept.reshape(inputs["input_ids"].shape)
             per_token = model(**inputs, use_cache=False, logits_to_keep=logits_to_keep).logits.reshape(-1)
-        finally:
-            if previous is None:
-                del head.forward
-            else:
-                head.forward = previous
     sequences = batch["sequence_targets"].shape[0]
     zeros = torch.zeros(sequences, dtype=torch.float32, device=per_token.device)
     return zeros.index_add(0, batch["sequence_ids"][kept], per_token.float())
