@@ -18,7 +18,7 @@ average log-probability for SimPO and ORPO, as TRL logs them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +95,6 @@ class Preference:
     unit_name: str = "pairs"
     metric_names: tuple[str, ...] = METRICS
     progress_name: str | None = "rewards/accuracies"
-    _device_table: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return batch["pair_index"].new_tensor(batch["pair_index"].shape[0])
