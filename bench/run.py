@@ -379,7 +379,7 @@ class Bench:
         from transformers import AutoTokenizer
 
         from finetune.config import DataConfig
-        from finetune.data.pack import WINDOW, best_fit
+        from finetune.data.pack import WINDOW, best_fit, next_fit
         from finetune.data.tokenize import tokenize
 
         tokenizer = AutoTokenizer.from_pretrained(self.work / "demo" / "base")
@@ -395,7 +395,7 @@ class Bench:
         for name, (lengths, capacity) in sets.items():
             windows = [lengths[start : start + WINDOW] for start in range(0, len(lengths), WINDOW)]
             row = {"samples": len(lengths), "tokens": int(sum(lengths))}
-            for packer, pack in (("best_fit", best_fit), ("next_fit", _next_fit)):
+            for packer, pack in (("best_fit", best_fit), ("next_fit", next_fit)):
                 began = time.perf_counter()
                 rows = sum(len(pack(window, capacity)) for window in windows)
                 row[packer] = {"rows": rows, "fill": sum(lengths) / (rows * capacity),
@@ -794,19 +794,6 @@ def _data_rows(data: dict) -> list[str]:
             f"cached {rate['cached']:.0f}",
         ),
     ]
-
-
-def _next_fit(lengths: list[int], capacity: int) -> list[list[int]]:
-    """finetune's packing before best fit: a row is closed as soon as the next sample does not fit."""
-    rows: list[list[int]] = [[]]
-    used = 0
-    for n, length in enumerate(lengths):
-        if used + length > capacity:
-            rows.append([])
-            used = 0
-        rows[-1].append(n)
-        used += length
-    return rows
 
 
 def _packing_rows(packing: dict) -> list[str]:

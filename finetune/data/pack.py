@@ -50,6 +50,20 @@ def best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
+def next_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """The packing finetune used before best fit, kept as the baseline `make bench` and the tests measure it
+    against: samples in their order, a row closed as soon as the next sample does not fit."""
+    rows: list[list[int]] = [[]]
+    used = 0
+    for n, length in enumerate(lengths):
+        if used + length > capacity:
+            rows.append([])
+            used = 0
+        rows[-1].append(n)
+        used += length
+    return rows
+
+
 def _pack_batch(batch: dict[str, list], *, max_length: int, pad_id: int) -> dict[str, list]:
     rows: dict[str, list] = {"input_ids": [], "target_ids": [], "position_ids": [], "num_tokens": []}
     samples_ids, samples_targets = batch["input_ids"], batch["target_ids"]
