@@ -170,15 +170,18 @@ def _stats(tokenized: datasets.Dataset, cfg: DataConfig) -> DataStats:
     lengths = pyarrow.compute.list_value_length(table["input_ids"]).to_numpy()
     truncated = table["truncated"].to_numpy(zero_copy_only=False)
     dropped_long = cfg.truncation == "drop"
-    reasons = table["invalid"].to_pylist()
-    invalid = numpy.array([bool(reason) for reason in reasons], dtype=bool)
+    reasons: list[str] = []
+    invalid = numpy.zeros(len(tokenized), dtype=bool)
+    if "invalid" in table.column_names:  # data.invalid=drop
+        invalid = pyarrow.compute.not_equal(table["invalid"], "").to_numpy(zero_copy_only=False)
+        reasons = table["invalid"].filter(pyarrow.compute.not_equal(table["invalid"], "")).to_pylist()
     return DataStats(
         num_samples=len(tokenized),
         num_truncated=int(truncated.sum()),
         num_dropped=int(((num_targets == 0) & ~(truncated & dropped_long) & ~invalid).sum()),
         long_dropped=dropped_long,
         num_invalid=int(invalid.sum()),
-        invalid_examples=tuple(reason for reason in reasons if reason)[:3],
+        invalid_examples=tuple(reasons[:3]),
         num_tokens=int(lengths[num_targets > 0].sum()),
         num_target_tokens=int(num_targets.sum()),
         num_rows=0,

@@ -104,7 +104,8 @@ def _tokenize_batch(
     return {
         "input_ids": input_ids, "target_ids": target_ids, "truncated": truncated, "num_targets": num_targets,
         "expanded": encoded.expanded, "num_reasoning": encoded.reasoning_tokens,
-        "invalid": invalid or [""] * len(input_ids),
+        # data.invalid=drop only: each sample's reason for being left out ("" for a valid one)
+        **({"invalid": invalid or [""] * len(input_ids)} if drop_invalid else {}),
     }  # fmt: skip
 
 
@@ -216,17 +217,19 @@ def _tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg
     )
     return dataset.map(
         encode, batched=True, with_indices=True, remove_columns=dataset.column_names, desc=f"tokenizing ({fmt})",
-        num_proc=map_processes(len(dataset)), features=TOKENIZED,
+        num_proc=map_processes(len(dataset)), features=WITH_INVALID if cfg.invalid == "drop" else TOKENIZED,
     )  # fmt: skip
 
 
 TOKENIZED = datasets.Features({
     "input_ids": datasets.List(datasets.Value("int32")), "target_ids": datasets.List(datasets.Value("int32")),
     "truncated": datasets.Value("bool"), "num_targets": datasets.Value("int32"), "expanded": datasets.Value("bool"),
-    "num_reasoning": datasets.Value("int32"), "invalid": datasets.Value("string"),
+    "num_reasoning": datasets.Value("int32"),
 })  # fmt: skip
 """What tokenization writes, declared: `datasets` then infers no types from the values (a pass over every
 token), and ids take 4 bytes in the cache (inferred, targets took 8)."""
+WITH_INVALID = datasets.Features({**TOKENIZED, "invalid": datasets.Value("string")})
+"""With data.invalid=drop, also why each sample left out was refused ("" for the others)."""
 
 
 def map_processes(num_samples: int) -> int | None:
