@@ -15,6 +15,7 @@ import random
 from pathlib import Path
 
 import torch
+import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -156,9 +157,8 @@ def report(workdir: str, output_dir: str = "outputs/demo/run", before: str | Non
     examples = [json.loads(line) for line in (root / "data" / "test.jsonl").read_text().splitlines()]
     tokenizer = AutoTokenizer.from_pretrained(tuned_dir)
     pairs_file = root / "data" / "pairs_eval.jsonl"
-    preference = (Path(output_dir) / "recipe.yaml").is_file() and "preference:" in (
-        Path(output_dir) / "recipe.yaml"
-    ).read_text().replace("preference: null", "")
+    saved = Path(output_dir) / "recipe.yaml"  # the run's resolved recipe: was it preference tuning?
+    preference = saved.is_file() and (yaml.safe_load(saved.read_text()) or {}).get("preference") is not None
     pairs = [json.loads(line) for line in pairs_file.read_text().splitlines()] if preference else []
     first = "before (supervised)" if before else "base (random init)"
     rows, logps = [], []
