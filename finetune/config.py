@@ -262,6 +262,11 @@ class TrainConfig:
     time, never the full fp32 logits (models whose output layer is not a plain projection fall back,
     said in the log); `full_logits`: the reference, every position's logits in fp32."""
 
+    router_aux_loss_coef: float | None = None
+    """Mixtures of experts: the weight of the routers' load-balancing loss added to the objective
+    (`finetune.routing`); unset: the model config's own coefficient (none for a dense model or one that
+    routes without it); 0 turns it off."""
+
     @property
     def checkpointing(self) -> Literal["none", "full", "selective", "auto"]:
         """`activation_checkpointing` as a policy (or `auto`, which training resolves): true is full, false none."""
@@ -281,6 +286,8 @@ class TrainConfig:
                 errors.append(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_every_steps < 0:
             errors.append(f"train.eval_every_steps must be >= 0, got {self.eval_every_steps}")
+        if self.router_aux_loss_coef is not None and not self.router_aux_loss_coef >= 0:
+            errors.append(f"train.router_aux_loss_coef must be >= 0 (0 turns it off), got {self.router_aux_loss_coef}")
         steps = self.profile_steps
         if steps and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
             errors.append(f"train.profile_steps must be [first, last] with 1 <= first <= last, got {steps}")

@@ -45,6 +45,7 @@ from finetune.checkpoint import (
     tensor_names,
 )
 from finetune.errors import FinetuneError, first_line
+from finetune.family import HubLayout
 from finetune.outputs import export_lock
 
 # Wrapper prefixes that FSDP1, activation checkpointing, torch.compile and DDP add to parameter names.
@@ -135,20 +136,25 @@ def _write_adapter_export(checkpoint: Path, out_dir: Path, dtype: torch.dtype | 
 def _write_export(
     checkpoint: Path, out_dir: Path, dtype: torch.dtype | None, max_shard_size: str, merge: str | None = None
 ) -> None:
-    """The model folder; `merge` (an adapter checkpoint): what to merge onto, see finetune.merge."""
+    """The model folder, in the layout the hub stores the model's family in (finetune.family.HubLayout);
+    `merge` (an adapter checkpoint): what to merge onto, see finetune.merge."""
     if merge is not None:
         from finetune.merge import merged_weights
 
+        # The base is read from its hub files, so the merged weights are in the hub layout already.
         weights, groups = merged_weights(checkpoint, onto=merge)
-        names = _export_names(weights, checkpoint, groups)
+        names, hub = _export_names(weights, checkpoint, groups), None
     else:
         weights = open_weights(checkpoint)
-        names = _export_names(weights, checkpoint)
+        names, hub = _export_names(weights, checkpoint), _hub_layout(checkpoint / MODEL_FILES)
     dtype = dtype or weights.training_dtype()
     layout = {
         name: torch.empty(weights.shapes[source], dtype=_target_dtype(weights.dtypes[source], dtype), device="meta")
         for name, source in names.items()
     }
+    # Each tensor as the hub stores it: itself, renamed, or (a fused MoE tensor) split into several.
+    stored_as = {name: hub.convert(name, meta) if hub else {name: meta} for name, meta in layout.items()}
+    # Shards are planned over the tensors as held, so a fused tensor and its pieces end in one shard.
     split = _plan_shards(layout, max_shard_size)
     partial = _make_partial(out_dir)
     try:
@@ -160,18 +166,43 @@ def _write_export(
         read_budget = max(largest_shard // _READ_FRACTION, 1)
         stored = {name: weights.shapes[src].numel() * weights.dtypes[src].itemsize for name, src in names.items()}
         for filename, shard_names in split.filename_to_tensors.items():
-            shard = _allocate(layout, shard_names)
+            shard = _allocate({piece: t for name in shard_names for piece, t in stored_as[name].items()})
             for group in _read_groups({name: stored[name] for name in shard_names}, read_budget):
-                _read_into(weights, {names[name]: shard[name] for name in group}, checkpoint)
+                whole = [name for name in group if name in stored_as[name]]  # stored as held: read in place
+                if whole:
+                    _read_into(weights, {names[name]: shard[name] for name in whole}, checkpoint)
+                for name in group:
+                    if name not in whole:  # read as held, one at a time, then stored in pieces
+                        held = torch.empty_like(layout[name], device="cpu")
+                        _read_into(weights, {names[name]: held}, checkpoint)
+                        for piece, value in hub.convert(name, held).items():
+                            shard[piece].copy_(value)
             _save_shard(shard, partial / filename, out_dir)
             del shard
         if split.is_sharded:
-            index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+            weight_map = {
+                piece: filename for name, filename in split.tensor_to_filename.items() for piece in stored_as[name]
+            }
+            index = {"metadata": split.metadata, "weight_map": weight_map}
             (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         _replace(partial, out_dir)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+
+
+def _hub_layout(model_files: Path) -> HubLayout | None:
+    """The hub layout of the model `model_files`/config.json describes (None: stored as held). A model whose
+    code transformers lacks (trust_remote_code) has no conversion transformers knows of either."""
+    from transformers import AutoConfig
+
+    from finetune.model import meta_model
+
+    try:
+        config = AutoConfig.from_pretrained(model_files)
+    except ValueError:  # a model type transformers does not know
+        return None
+    return HubLayout.of(meta_model(config))
 
 
 @contextlib.contextmanager
@@ -405,8 +436,8 @@ def _target_dtype(stored: torch.dtype, requested: torch.dtype) -> torch.dtype:
     return requested if stored.is_floating_point else stored
 
 
-def _allocate(layout: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
-    """Empty tensors for one output shard, all views of one buffer.
+def _allocate(layout: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Empty tensors like the (meta) tensors of `layout`, one output shard's, all views of one buffer.
 
     One allocation per shard, rather than one per tensor, because malloc serves tensors below its
     (self-adjusting, up to 32 MB) mmap threshold from the heap: freed, they stay in the process as
@@ -414,7 +445,7 @@ def _allocate(layout: dict[str, torch.Tensor], names: list[str]) -> dict[str, to
     of a whole shard is mapped and unmapped as one, so each shard's memory is returned once written.
     """
     views, end = {}, 0
-    for name in names:
+    for name in layout:
         views[name] = (end, _nbytes(layout, [name]))
         end += -(-views[name][1] // _ALIGN) * _ALIGN
     buffer = torch.empty(end, dtype=torch.uint8)

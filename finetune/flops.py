@@ -5,7 +5,8 @@ FLOPs count the math the model needs, not what the run does: activation checkpoi
 the forward but is not credited, so MFU is comparable across settings. For a batch:
 
     6 * N * tokens             forward (2N) + backward (4N) through the N non-embedding parameters
-                               and the output head (the input embedding is a lookup)
+                               a token goes through, the output head included (the input embedding is
+                               a lookup; of a mixture of experts' routed experts, the router's top k)
     + 6 * L * d_attn * sum(n^2)  attention scores and weighted sum, causal (half of 12 * L * n^2 * d_attn
                                per sample of n tokens), d_attn = heads * head_dim
 
@@ -20,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from finetune.family import active_parameters
 
 # Dense bf16/fp16 tensor-core peaks (no sparsity) from the vendors' data sheets, in FLOP/s.
 PEAK_BF16_FLOPS = {
@@ -63,7 +66,7 @@ def model_flops(model: torch.nn.Module) -> ModelFlops:
     config = model.config.get_text_config()
     embedding = model.get_input_embeddings()
     tied = embedding is not None and embedding.weight is getattr(model.get_output_embeddings(), "weight", None)
-    parameters = sum(p.numel() for p in model.parameters())
+    parameters = active_parameters(model)
     # The input embedding is a lookup, unless it is also the output head (then it is a matmul).
     if embedding is not None and not tied:
         parameters -= embedding.weight.numel()

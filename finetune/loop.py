@@ -80,7 +80,7 @@ from finetune.model import (
     save_model_files,
     weights_fingerprint,
 )
-from finetune.objectives import Objective, Preference, Supervised
+from finetune.objectives import Balanced, Objective, Preference, Supervised
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.outputs import check_output_dir, claim_output_dir
 from finetune.plan import cheapest_policy, estimate, model_shape, planned_model
@@ -95,6 +95,7 @@ from finetune.reference import (
     reference_key,
     write_reference,
 )
+from finetune.routing import route_in_fp32, set_up_routing
 from finetune.wrap import format_wrap_plan, fsdp_units, reshard, shard_frozen, validate_wrap_policy
 
 logger = logging.getLogger("finetune")
@@ -270,7 +271,11 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
     if recipe.checkpoint.async_save:
         save_state = _async_saver(accelerator, model, optimizer, adapters is not None)
     loss_path, loss_line = choose_loss_path(recipe.train.loss, accelerator.unwrap_model(model))
+    # Before any forward (a precomputed reference's too): a mixture of experts routes in fp32 from here on.
+    balancing, routing_line = set_up_routing(accelerator.unwrap_model(model), recipe.train.router_aux_loss_coef)
     objective, write_reference = build_objective(recipe, data, model, accelerator, loss_path, adapters, resume_from)
+    if balancing is not None:
+        objective = Balanced(objective, balancing)
     run = Run(
         recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, max_steps, output_dir,
         write_model_files, names, save_state, loss_path, objective,
@@ -287,7 +292,7 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
         write_reference()
     _check_shared_output_dir(output_dir, accelerator)
 
-    _log_setup(accelerator, recipe, data, model, max_steps, resume_from, [policy_line, loss_line])
+    _log_setup(accelerator, recipe, data, model, max_steps, resume_from, [policy_line, loss_line, routing_line])
     metrics = MetricsLogger(accelerator, output_dir, max_steps, recipe.to_dict(), recipe.output.trackers)
     try:
         seen, preempted = run_steps(run, metrics, start)
@@ -347,6 +352,7 @@ def _reference_model(recipe: RecipeConfig, accelerator: Accelerator) -> torch.nn
     reference = load_model(cfg, "none")
     reference.requires_grad_(False)
     disable_dropout(reference)
+    route_in_fp32(reference)  # as the policy routes (a dense model has no routers)
     reference.eval()
     shard_frozen(reference, getattr(accelerator.state, "fsdp_plugin", None), accelerator.device)
     accelerator.print(f"reference: {cfg.name_or_path}, frozen, sharded as the policy (preference.reference=model)")

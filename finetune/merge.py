@@ -25,6 +25,7 @@ import torch
 from finetune.checkpoint import ADAPTER_RECORD, MODEL_FILES, tensor_names, trained_base
 from finetune.errors import FinetuneError, first_line
 from finetune.export import CheckpointWeights, _SafetensorsWeights, adapter_tensors
+from finetune.family import HubLayout
 
 _PREFIX = "base_model.model."  # PEFT's prefix of every saved adapter key
 _TRANSPOSED = ("Conv1D", "Embedding")
@@ -49,8 +50,25 @@ def merged_weights(checkpoint: Path, onto: str = "dequantized") -> tuple[Checkpo
     base = _base_weights(config["base_model_name_or_path"], trained_base(checkpoint))
     record = json.loads((checkpoint / MODEL_FILES / ADAPTER_RECORD).read_text())
     quantized = record.get("quantized") if onto == "dequantized" else None
-    merged = MergedWeights(base, adapter_tensors(checkpoint), config, transposed, quantized)
-    return merged, tensor_names(model)
+    adapter = adapter_tensors(checkpoint)
+    # The base's files are in the layout its family is published in (finetune.family); the adapter names the
+    # model's modules as held in memory.
+    hub, groups = HubLayout.of(model), tensor_names(model)
+    if hub is not None:
+        adapter, groups = {_hub_key(hub, key): tensor for key, tensor in adapter.items()}, hub.groups(groups)
+        transposed = {hub.name(f"{layer}.weight").removesuffix(".weight") for layer in transposed}
+    return MergedWeights(base, adapter, config, transposed, quantized), groups
+
+
+def _hub_key(hub: HubLayout, key: str) -> str:
+    """A PEFT adapter key (`base_model.model.<module>.lora_A.weight`, `...<module>.weight` for a module trained
+    whole) with its module's name as the hub layout has it."""
+    name = key.removeprefix(_PREFIX)
+    for part in _PARTS:
+        module, found, rest = name.partition(f".{part}")
+        if found:
+            return _PREFIX + hub.name(f"{module}.weight").removesuffix(".weight") + found + rest
+    return _PREFIX + hub.name(name)
 
 
 def transposed_layers(model: torch.nn.Module) -> set[str]:

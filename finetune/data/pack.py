@@ -85,7 +85,9 @@ def _pack_batch(batch: dict[str, list], *, max_length: int, pad_id: int) -> dict
 
 def collate_packed(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     batch = {key: torch.tensor([row[key] for row in rows]) for key in ("input_ids", "target_ids", "position_ids")}
-    batch["num_tokens"] = torch.tensor(sum(row["num_tokens"] for row in rows))
+    # Real tokens per row (the rest is padding, which has no attention mask to tell it apart).
+    batch["row_tokens"] = torch.tensor([row["num_tokens"] for row in rows])
+    batch["num_tokens"] = batch["row_tokens"].sum()
     return batch
 
 

@@ -236,6 +236,7 @@ def collate_pairs(
     }  # fmt: skip
     if packing:
         batch["position_ids"] = torch.tensor(position_ids)
+        batch["row_tokens"] = torch.tensor([sum(mask) for mask in attention_mask])  # the rest of a row is padding
     else:
         batch["attention_mask"] = torch.tensor(attention_mask)
     return batch

@@ -20,10 +20,11 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
+from finetune.objectives.balanced import Balanced
 from finetune.objectives.preference import Preference
 from finetune.objectives.supervised import Supervised
 
-__all__ = ["Objective", "Preference", "Supervised"]
+__all__ = ["Balanced", "Objective", "Preference", "Supervised"]
 
 
 class Objective(Protocol):

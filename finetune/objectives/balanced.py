@@ -1,0 +1,50 @@
+"""An objective with a mixture of experts' load-balancing term added (finetune.routing).
+
+The term of a micro-batch is weighted by the units the objective averages over, like its loss, so the loop's
+normalization (sum over the step's micro-batches and processes, divided by the step's units) gives
+mean loss + coefficient x the unit-weighted mean balancing term. `aux_loss` is logged apart (before the
+coefficient); the logged loss is what the step minimizes, the balancing term included, as transformers' MoE
+models report it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+from finetune.routing import BalancingLoss
+
+
+@dataclass(frozen=True)
+class Balanced:
+    inner: object
+    """The objective balanced (finetune.objectives.Objective)."""
+    balancing: BalancingLoss
+
+    @property
+    def unit_name(self) -> str:
+        return self.inner.unit_name
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return (*self.inner.metric_names, "aux_loss")
+
+    @property
+    def progress_name(self) -> str | None:
+        return self.inner.progress_name
+
+    def count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.inner.count(batch)
+
+    def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.balancing.recording():
+            summed, sums = self.inner.loss(model, batch)
+        term = self.balancing.take(batch).to(summed.device)
+        units = self.count(batch).to(summed.device, summed.dtype)
+        total = summed + self.balancing.coefficient * term * units
+        return total, torch.cat([sums.to(summed.device), (term.detach() * units).reshape(1)])
+
+    def evaluate(self, model: torch.nn.Module, loader: DataLoader, accelerator: Accelerator) -> dict[str, float]:
+        return self.inner.evaluate(model, loader, accelerator)

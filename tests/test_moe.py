@@ -1,0 +1,303 @@
+"""Mixtures of experts: exports in the hub's layout, active-parameter FLOPs (finetune.family), fp32 routing and the
+balancing loss (finetune.routing)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import REPO, Run, launch, recipe_overrides
+from safetensors import safe_open
+from safetensors.torch import load_file
+from test_export import max_logits_difference
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from finetune.checkpoint import MARKER, MODEL_FILES
+from finetune.errors import FinetuneError
+from finetune.family import active_parameters, experts_of
+from finetune.flops import model_flops
+from finetune.routing import BalancingLoss, balancing_coefficient, real_tokens, route_in_fp32, routers
+
+# Tiny shapes every family takes; each config keeps only the keys it has.
+TINY = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, num_experts=4, num_local_experts=4, n_routed_experts=4,
+    num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, first_k_dense_replace=1,
+    n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+)  # fmt: skip
+# The families transformers converts between the hub's per-expert tensors and its fused ones, and gpt-oss
+# (published fused: kept as it is).
+FAMILIES = ["qwen2_moe", "qwen3_moe", "olmoe", "mixtral", "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
+            "qwen3_next", "minimax", "hunyuan_v1_moe", "gpt_oss"]  # fmt: skip
+
+
+def tiny_config(model_type: str, **overrides):
+    defaults = AutoConfig.for_model(model_type)
+    values = {key: value for key, value in TINY.items() if hasattr(defaults, key)}
+    if hasattr(defaults, "qk_rope_head_dim"):  # multi-head latent attention: rotary on part of each head
+        values["head_dim"] = values["qk_rope_head_dim"]
+    if model_type == "gpt_oss":
+        values["layer_types"] = ["sliding_attention", "full_attention"]
+    return AutoConfig.for_model(model_type, **{**values, **overrides})
+
+
+def saved_pretrained(model, folder: Path) -> dict[str, torch.Tensor]:
+    """What save_pretrained writes for `model`: every tensor of every safetensors file, by name."""
+    model.save_pretrained(folder)
+    tensors = {}
+    for path in folder.glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            tensors.update({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118
+    return tensors
+
+
+def sharded_checkpoint(model, folder: Path) -> Path:
+    """`model` as a SHARDED checkpoint of `finetune train`: its state through torch.distributed.checkpoint (what
+    accelerate's save_state writes for FSDP) and its config; the launched run below writes one for real."""
+    checkpoint = folder / "checkpoints" / "step_1"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=checkpoint / "pytorch_model_fsdp_0", no_dist=True)
+    model.config.save_pretrained(checkpoint / MODEL_FILES)
+    (checkpoint / MARKER).write_text("step 1\n")
+    return checkpoint
+
+
+def export(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", "export", *map(str, args)], cwd=REPO, capture_output=True, text=True
+    )
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_export_writes_what_save_pretrained_writes(model_type, tmp_path):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+    expected = saved_pretrained(model, tmp_path / "save_pretrained")
+    out = tmp_path / "exported"
+    result = export(sharded_checkpoint(model, tmp_path / "run"), out, "--max-shard-size", "20KB")
+    assert result.returncode == 0, result.stderr[-3000:]
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    exported = {}
+    for filename in sorted(set(index.values())):
+        with safe_open(out / filename, "pt") as f:
+            exported.update({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118
+            assert all(index[key] == filename for key in f.keys())  # noqa: SIM118
+    assert sorted(exported) == sorted(expected) == sorted(index)
+    for name, tensor in expected.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    if model_type != "gpt_oss":
+        assert not any(name.endswith("gate_up_proj") for name in exported)  # per expert, as the hub stores them
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids, use_cache=False).logits, model.eval()(ids, use_cache=False).logits)
+
+
+@pytest.mark.parametrize(
+    "model_type, total, active",
+    [("qwen3_moe", 4, 2), ("gpt_oss", 4, 2), ("mixtral", 4, 2), ("deepseek_v3", 4, 2), ("llama", None, None)],
+)
+def test_active_parameters_count_the_routed_experts_a_token_goes_through(model_type, total, active):
+    config = tiny_config(model_type) if model_type != "llama" else AutoConfig.for_model("llama", **{
+        k: TINY[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                             "num_attention_heads", "num_key_value_heads")})  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    experts = experts_of(config)
+    assert (experts.total, experts.active) == (total, active) if total else experts is None
+    everything = sum(p.numel() for p in model.parameters())
+    routed = 0
+    for layer in model.model.layers:  # by hand: each MoE layer's routed experts, whatever the family calls them
+        moe = getattr(layer, "mlp", None)
+        if moe is not None and hasattr(moe, "experts"):
+            routed += sum(p.numel() for p in moe.experts.parameters())
+    assert (routed > 0) == (total is not None)
+    fraction = active / total if total else 1
+    assert active_parameters(model) == pytest.approx(everything - routed + routed * fraction)
+
+
+def test_model_flops_of_qwen3_30b_a3b_and_gpt_oss_20b_count_their_active_parameters():
+    """6 N per token with N counted by hand from the published shapes: the attention, norms, router and
+    head whole, top_k of the experts (Qwen3-30B-A3B: 8 of 128; gpt-oss-20b: 4 of 32, with biases and sinks)."""
+    qwen = AutoConfig.for_model(
+        "qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+    )  # fmt: skip
+    attention = 2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048 + 2 * 128  # q, k, v, o, q/k norms
+    layer = attention + 2 * 2048 + 128 * 2048 + 8 * 3 * 2048 * 768  # + norms, router, 8 experts
+    qwen_active = 48 * layer + 151936 * 2048 + 2048  # + head, final norm
+    gpt_oss = AutoConfig.for_model(  # gpt-oss-20b: the defaults (gpt-oss-120b's) with 24 layers of 32 experts
+        "gpt_oss", num_hidden_layers=24, num_local_experts=32, layer_types=["sliding_attention", "full_attention"] * 12
+    )
+    attention = (2880 * 4096 + 4096) + 2 * (2880 * 512 + 512) + (4096 * 2880 + 2880) + 64  # with biases, sinks
+    expert = (2880 * 5760 + 5760) + (2880 * 2880 + 2880)  # gate_up and down projections with biases
+    layer = attention + 2 * 2880 + (32 * 2880 + 32) + 4 * expert
+    gpt_oss_active = 24 * layer + 201088 * 2880 + 2880
+    for config, active in ((qwen, qwen_active), (gpt_oss, gpt_oss_active)):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        assert model_flops(model).per_token == 6 * active
+    assert round(qwen_active / 1e9, 2) == 3.04 and round(gpt_oss_active / 1e9, 2) == 3.61
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_balancing_term_is_the_models_own_over_real_tokens(model_type):
+    """The term recorded from a training forward equals the aux_loss transformers computes with
+    output_router_logits over the same batch's attention mask; packed rows mask their padding by row_tokens."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+    balancing = BalancingLoss(model, coefficient=0.01)
+    ids = torch.randint(0, 128, (2, 10))
+    mask = torch.tensor([[1] * 10, [1] * 6 + [0] * 4])
+    expected = model(ids, attention_mask=mask, output_router_logits=True, use_cache=False).aux_loss
+    packed = {"input_ids": ids, "row_tokens": torch.tensor([10, 6])}  # no mask: positions past row_tokens are padding
+    with balancing.recording():
+        model(ids, attention_mask=mask, use_cache=False)
+    assert torch.equal(real_tokens(packed), mask)
+    term = balancing.take(packed)
+    assert term.item() == pytest.approx(expected.item(), rel=1e-6) and term.requires_grad
+    with torch.no_grad(), balancing.recording():  # a reference's or an evaluation's forward: nothing recorded
+        model(ids, use_cache=False)
+    assert balancing._logits == []
+
+
+def test_balancing_loss_is_refused_for_a_dense_model_and_defaults_to_the_models_coefficient():
+    assert balancing_coefficient(tiny_config("qwen3_moe"), None) == 0.001
+    assert balancing_coefficient(tiny_config("qwen3_moe"), 0.0) == 0.0
+    assert balancing_coefficient(tiny_config("deepseek_v3"), None) == 0.0  # routes without one
+    with pytest.raises(FinetuneError, match="routes without a balancing loss; remove train.router_aux_loss_coef"):
+        balancing_coefficient(tiny_config("deepseek_v3"), 0.01)
+    with pytest.raises(FinetuneError, match="llama model is dense"):
+        balancing_coefficient(AutoConfig.for_model("llama"), 0.01)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "mixtral"])  # DeepSeek's routers cast by themselves
+def test_under_bf16_fsdp2_routers_compute_in_fp32(model_type):
+    """One process, a 1-rank gloo group, the mixed-precision policy training uses: the routers' logits and routing
+    weights are fp32 while the rest computes in bf16 (and were bf16 before route_in_fp32), and the routers'
+    parameters still receive gradients."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from finetune.distributed import _mixed_precision_policy, free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+        policy = _mixed_precision_policy(2, "bf16", torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        outputs: list = []
+        for router in routers(model):
+            router.register_forward_hook(lambda module, inputs, output: outputs.append(output))
+        ids = torch.randint(0, 128, (2, 10))
+        model(ids, use_cache=False)
+        assert outputs and all(o[0].dtype == torch.bfloat16 for o in outputs)  # logits in bf16 before
+        outputs.clear()
+        assert route_in_fp32(model) == len(routers(model))
+        logits = model(ids, use_cache=False).logits
+        assert logits.dtype == torch.bfloat16
+        floating = [t for o in outputs for t in o if t.is_floating_point()]  # logits, and weights where separate
+        assert floating and all(t.dtype == torch.float32 for t in floating)
+        logits.float().sum().backward()
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for r in routers(model) for p in r.parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def moe_bases(tmp_path_factory, demo_assets) -> dict[str, Path]:
+    """Tiny Qwen3-MoE and Mixtral models (4 experts, top 2) with the demo's tokenizer, saved as hub models are."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_assets / "base")
+    bases = {}
+    for model_type in ("qwen3_moe", "mixtral"):
+        torch.manual_seed(0)
+        config = tiny_config(
+            model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, max_position_embeddings=256,
+        )  # fmt: skip
+        bases[model_type] = tmp_path_factory.mktemp(model_type) / "base"
+        AutoModelForCausalLM.from_config(config).save_pretrained(bases[model_type])
+        tokenizer.save_pretrained(bases[model_type])
+    return bases
+
+
+MOE_SETTINGS = {"train.max_steps": 6, "train.eval_every_steps": 0, "data.eval_path": "null"}
+WRAP = {"qwen3_moe": "Qwen3MoeDecoderLayer", "mixtral": "MixtralDecoderLayer"}
+
+
+def _moe_run(tmp_path_factory, assets: Path, base: Path, name: str, num_processes: int, **extra) -> Run:
+    output_dir = tmp_path_factory.mktemp(name) / "out"
+    values = {"model.name_or_path": base, "train.micro_batch_size": 4, **MOE_SETTINGS, **extra}
+    wrap = ("--fsdp_transformer_layer_cls_to_wrap", WRAP[json.loads((base / "config.json").read_text())["model_type"]])
+    overrides = recipe_overrides(assets, output_dir, **values)
+    result = launch("fsdp2_full_shard.yaml", overrides, num_processes=num_processes, launch_args=wrap)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return Run(result, output_dir)
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory, demo_assets, moe_bases) -> Run:
+    """Qwen3-MoE, full fine-tuning, 2 processes x 2 micro-batches of 4 rows, balancing loss at the model's 0.001."""
+    return _moe_run(
+        tmp_path_factory, demo_assets, moe_bases["qwen3_moe"], "moe2", 2, **{"train.gradient_accumulation_steps": 2}
+    )
+
+
+@pytest.fixture(scope="module")
+def moe_one_process_run(tmp_path_factory, demo_assets, moe_bases) -> Run:
+    """The same global batches as moe_run, split into the same 4 micro-batches, on 1 process."""
+    return _moe_run(
+        tmp_path_factory, demo_assets, moe_bases["qwen3_moe"], "moe1", 1, **{"train.gradient_accumulation_steps": 4}
+    )
+
+
+@pytest.mark.multiprocess
+def test_moe_run_exports_per_expert_tensors_that_give_the_trained_logits(moe_run):
+    final = moe_run.output_dir / "final"
+    with safe_open(final / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in names
+    assert not any("gate_up_proj" in name for name in names)
+    assert max_logits_difference(moe_run.output_dir, final) <= 1e-5
+    assert "experts: 2 of 4 per token (grouped_mm); routers in fp32; balancing loss x0.001 (the model's" in moe_run.log
+
+
+@pytest.mark.multiprocess
+def test_balancing_loss_is_normalized_like_the_loss_on_any_process_count(moe_run, moe_one_process_run):
+    """1 process x 4 micro-batches and 2 x 2 train the same: losses, balancing terms and weights within 1e-5."""
+    two, one = moe_run.metrics(), moe_one_process_run.metrics()
+    steps = [m for m in two if "aux_loss" in m]
+    assert len(steps) == 6
+    assert all(2.0 <= m["aux_loss"] < 4.0 for m in steps)  # top_k (2) at perfect balance, more when unbalanced
+    for a, b in zip(steps, [m for m in one if "aux_loss" in m], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["aux_loss"] == pytest.approx(b["aux_loss"], abs=1e-5)
+    trained = [load_file(run.output_dir / "final" / "model.safetensors") for run in (moe_run, moe_one_process_run)]
+    for name, tensor in trained[0].items():
+        assert torch.allclose(tensor, trained[1][name], atol=1e-5), name
+
+
+@pytest.mark.multiprocess
+def test_lora_on_an_moe_model_merges_into_the_hub_layout(tmp_path_factory, demo_assets, moe_bases):
+    """Mixtral: the hub calls its MoE blocks block_sparse_moe and its experts w1/w2/w3; the merged export is written
+    under those names, from the base's own files, and gives the trained model's logits."""
+    run = _moe_run(
+        tmp_path_factory, demo_assets, moe_bases["mixtral"], "moe_lora", 2,
+        **{"peft.r": 8, "peft.target_modules": "[q_proj,k_proj,v_proj,o_proj]", "output.export_merged": "true"},
+    )  # fmt: skip
+    merged = run.output_dir / "final_merged"
+    with safe_open(merged / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    with safe_open(moe_bases["mixtral"] / "model.safetensors", "pt") as f:
+        assert names == set(f.keys())
+    assert "model.layers.1.block_sparse_moe.experts.0.w1.weight" in names
+    assert max_logits_difference(run.output_dir, merged) <= 1e-4
