@@ -21,7 +21,7 @@ MAIN_PROCESS_PORT ?= 29500
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b train-70b train-qwen-7b train-mistral-7b \
-	train-8b-lora train-qwen-7b-lora train-70b-qlora train-qwen3-8b train-qwen-7b-tools train-8b-dpo train-qwen-7b-dpo
+	train-8b-lora train-qwen-7b-lora train-70b-qlora train-qwen3-8b train-qwen3-30b-a3b train-qwen3-30b-a3b-lora train-qwen-7b-tools train-8b-dpo train-qwen-7b-dpo
 .PHONY: help setup demo demo-lora demo-dpo train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu test lint format clean
 
 help: ## list the targets
@@ -109,6 +109,11 @@ train-qwen3-8b: RECIPE = recipes/qwen/qwen3-8b-reasoning.yaml
 train-qwen3-8b: WRAP = Qwen3DecoderLayer
 train-qwen3-8b: CONFIG = accelerate_configs/single_node.yaml
 train-qwen3-8b: NUM_PROCESSES = 8
+train-qwen3-30b-a3b: ## Qwen3-30B-A3B (MoE, 128 experts, 8 per token), full, UltraChat, 8 GPUs, single-node preset
+train-qwen3-30b-a3b: RECIPE = recipes/qwen/qwen3-30b-a3b.yaml
+train-qwen3-30b-a3b: WRAP = Qwen3MoeDecoderLayer
+train-qwen3-30b-a3b: CONFIG = accelerate_configs/single_node.yaml
+train-qwen3-30b-a3b: NUM_PROCESSES = 8
 train-mistral-7b: ## Mistral-7B-Instruct-v0.3, UltraChat, 8 GPUs, single-node preset
 train-mistral-7b: RECIPE = recipes/mistral/mistral-7b.yaml
 train-mistral-7b: WRAP = MistralDecoderLayer
@@ -129,6 +134,10 @@ train-qwen-7b-dpo: ## Qwen2.5-7B-Instruct DPO with LoRA, UltraFeedback, 1 GPU, F
 train-qwen-7b-dpo: RECIPE = recipes/qwen/qwen2.5-7b-dpo-lora.yaml
 train-qwen-7b-dpo: WRAP = Qwen2DecoderLayer
 train-qwen-7b-dpo: NUM_PROCESSES = 1
+train-qwen3-30b-a3b-lora: ## Qwen3-30B-A3B LoRA (attention; experts and routers left alone), UltraChat, 1 GPU, FSDP2
+train-qwen3-30b-a3b-lora: RECIPE = recipes/qwen/qwen3-30b-a3b-lora.yaml
+train-qwen3-30b-a3b-lora: WRAP = Qwen3MoeDecoderLayer
+train-qwen3-30b-a3b-lora: NUM_PROCESSES = 1
 train-qwen-7b-tools: ## Qwen2.5-7B-Instruct LoRA, tool calling (Hermes function-calling data), 1 GPU, FSDP2
 train-qwen-7b-tools: RECIPE = recipes/qwen/qwen2.5-7b-tools-lora.yaml
 train-qwen-7b-tools: WRAP = Qwen2DecoderLayer

@@ -143,6 +143,30 @@ class Bench:
         partial.rename(folder)
         return folder
 
+    def moe_model(self, size: Size) -> Path:
+        """A randomly initialised Qwen3-MoE of `size`'s width and depth: 8 experts of a quarter of its MLP width,
+        2 per token (its MLP compute per token is half the dense model's), with the demo tokenizer."""
+        folder = self.work / "models" / f"{size.name}-moe"
+        if (folder / "config.json").exists():
+            return folder
+        import torch
+        from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        tokenizer = AutoTokenizer.from_pretrained(self.work / "demo" / "base")
+        torch.manual_seed(0)
+        config = Qwen3MoeConfig(
+            vocab_size=max(size.vocab, len(tokenizer)), hidden_size=size.hidden, intermediate_size=size.intermediate,
+            moe_intermediate_size=size.intermediate // 4, num_experts=8, num_experts_per_tok=2,
+            num_hidden_layers=size.layers, num_attention_heads=size.heads, num_key_value_heads=size.heads,
+            head_dim=size.hidden // size.heads, max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+        partial = folder.with_suffix(".partial")
+        Qwen3MoeForCausalLM(config).save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        partial.rename(folder)
+        return folder
+
     def finetune_run(self, name: str, size: Size, config: str, processes: int = 2, **overrides) -> dict:
         """One `accelerate launch -m finetune train` of the demo recipe on the bench model; its metrics."""
         out = self.work / "runs" / name
@@ -537,6 +561,43 @@ class Bench:
         )  # fmt: skip
         return ratio | {"trl_version": _version("trl")}
 
+    def moe(self) -> dict:
+        """A mixture of experts (Qwen3-MoE, 8 experts, top 2) trained in full, DDP on 2 processes, with the routers'
+        balancing loss on: target tokens/s with transformers' grouped_mm experts against its per-expert loop
+        (`eager`), and against TRL's SFTTrainer, whose model adds its own balancing loss (output_router_logits)."""
+        size = self.train_size
+        model = self.moe_model(size)
+        runs: dict[str, list[float]] = {"grouped_mm": [], "eager": [], "trl_sft_moe_ddp": []}
+        for repeat in range(self.repeats):
+            for experts in ("grouped_mm", "eager"):
+                overrides = {"model.name_or_path": model, "model.experts_implementation": experts}
+                metrics = self.finetune_run(f"moe-{experts}-{repeat}", size, "ddp.yaml", **overrides)
+                runs[experts].append(_steady_rate(metrics["target_tokens"], metrics["step_seconds"]))
+                if experts == "grouped_mm":
+                    self.curves.setdefault("finetune MoE (DDP)", metrics["loss"])
+            out = self.work / "runs" / f"trl-moe-{repeat}.json"
+            _run([
+                sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(_free_port()), str(REPO / "bench" / "trl_sft.py"), str(model), str(self.data), str(self.steps),
+                "8", "128", "0", str(out), "router_aux",
+            ])  # fmt: skip
+            trl = json.loads(out.read_text())
+            runs["trl_sft_moe_ddp"].append(_steady_rate(trl["target_tokens"], trl["step_seconds"]))
+        metric = "target_tokens_per_second"
+        return {
+            "experts": _ratio(metric, "grouped_mm", runs["grouped_mm"], "eager", runs["eager"], target=1.0, size=size),
+            "trl": _ratio(
+                metric,
+                "grouped_mm",
+                runs["grouped_mm"],
+                "trl_sft_moe_ddp",
+                runs["trl_sft_moe_ddp"],
+                target=1.1,
+                size=size,
+            ),
+            "trl_version": _version("trl"),
+        }
+
     def merge(self) -> dict:
         """`finetune export --merge` against PEFT's merge_and_unload() + save_pretrained on one adapter of
         a model of several hundred million parameters: time and peak RSS."""
@@ -861,6 +922,22 @@ def _trl_lora_rows(trl: dict) -> list[str]:
     ]  # fmt: skip
 
 
+def _moe_rows(moe: dict) -> list[str]:
+    experts, trl = moe["experts"], moe["trl"]
+    return [
+        _row(
+            f"MoE target tokens/s, grouped_mm vs per-expert loop ({experts['size']}, 8 experts top 2, DDP)",
+            f"{experts['median']['grouped_mm']:.0f}", f"{experts['median']['eager']:.0f}", f"{experts['ratio']:.2f}x",
+            f">= {experts['target']}x",
+        ),
+        _row(
+            f"MoE target tokens/s vs TRL SFTTrainer {moe['trl_version']}, balancing loss on in both (DDP)",
+            f"{trl['median']['grouped_mm']:.0f}", f"{trl['median']['trl_sft_moe_ddp']:.0f}", f"{trl['ratio']:.2f}x",
+            f">= {trl['target']}x",
+        ),
+    ]  # fmt: skip
+
+
 def _merge_rows(merge: dict) -> list[str]:
     ours, peft = merge["median"]["finetune_export_merge"], merge["median"]["peft_merge_and_unload"]
     return [
@@ -907,10 +984,11 @@ ROWS = {
     "loss_path": _loss_rows,
     "lora_vs_full": _lora_rows,
     "trl_lora": _trl_lora_rows,
+    "moe": _moe_rows,
     "merge": _merge_rows,
 }
 SECTIONS = ("data_pipeline", "packing", "loss_path", "loop_overhead", "trainer", "checkpoint_save", "scaling",
-            "export", "lora_vs_full", "trl_lora", "merge")  # fmt: skip
+            "export", "lora_vs_full", "trl_lora", "moe", "merge")  # fmt: skip
 """Every comparison, in the order `make bench` runs them."""
 
 

@@ -1,6 +1,7 @@
 """The TRL peer: `SFTTrainer` (with PEFT adapters, or full fine-tuning), DDP, on the same chat data.
 
-    torchrun --nproc_per_node 2 bench/trl_sft.py MODEL_DIR DATA.jsonl STEPS MICRO_BATCH MAX_LENGTH RANK OUT.json
+    torchrun --nproc_per_node 2 bench/trl_sft.py MODEL_DIR DATA.jsonl STEPS MICRO_BATCH MAX_LENGTH RANK OUT.json \
+        [router_aux]
 
 Set up as TRL's own documentation advises for speed: packing (best-fit decreasing) into rows of
 MAX_LENGTH tokens with padding-free batches. Samples are given already tokenized and masked exactly as
@@ -8,7 +9,7 @@ finetune does (`finetune.data.encode_chats`: loss on assistant turns), as `input
 `completion_mask`, so both train on the same target tokens. LoRA on every linear layer with rank RANK,
 alpha 2 x RANK, no dropout: what the finetune side runs; RANK 0 trains every weight instead. Like
 `trainer_ddp.py`, it writes the wall time and the target tokens (positions with a label, counted over
-all processes) of every step.
+all processes) of every step. `router_aux`: a mixture of experts adds its routers' balancing loss.
 """
 
 from __future__ import annotations
@@ -59,11 +60,22 @@ def encode(batch: dict, tokenizer) -> dict:
     return out
 
 
-def main(model_dir: str, data_path: str, steps: int, micro_batch: int, max_length: int, rank: int, out: str) -> None:
+def main(
+    model_dir: str,
+    data_path: str,
+    steps: int,
+    micro_batch: int,
+    max_length: int,
+    rank: int,
+    out: str,
+    router_aux: bool,
+) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     raw = datasets.load_dataset("json", data_files=data_path, split="train")
     train = raw.map(encode, fn_kwargs={"tokenizer": tokenizer}, batched=True, remove_columns=raw.column_names)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # A mixture of experts adds its routers' balancing loss to the loss it computes from labels only when asked.
+    model.config.output_router_logits = router_aux
     arguments = SFTConfig(
         output_dir=out + ".trl", per_device_train_batch_size=micro_batch, max_steps=steps, learning_rate=1e-4,
         lr_scheduler_type="constant", max_grad_norm=1.0, use_cpu=True, ddp_backend="gloo", save_strategy="no",
@@ -90,4 +102,5 @@ def main(model_dir: str, data_path: str, steps: int, micro_batch: int, max_lengt
 
 if __name__ == "__main__":
     model_dir, data_path, steps, micro_batch, max_length, rank, out = sys.argv[1:8]
-    main(model_dir, data_path, int(steps), int(micro_batch), int(max_length), int(rank), out)
+    router_aux = sys.argv[8:] == ["router_aux"]
+    main(model_dir, data_path, int(steps), int(micro_batch), int(max_length), int(rank), out, router_aux)

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 from finetune.checkpoint import ADAPTER_RECORD, ADAPTER_STATE, MODEL_FILES
 from finetune.config import PeftConfig
 from finetune.errors import FinetuneError, first_line
+from finetune.family import experts_of, is_routed_expert
 
 ADAPTER_CONFIG = "adapter_config.json"
 _TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
@@ -39,6 +40,8 @@ def add_adapters(model: PreTrainedModel, cfg: PeftConfig) -> PeftModel:
     """Freeze `model` and add the recipe's adapters; adapter weights are kept in fp32 whatever the base's dtype."""
     check_adapter_targets(model, cfg)
     targets = cfg.target_modules[0] if cfg.target_modules == ["all-linear"] else cfg.target_modules
+    if targets == "all-linear" and experts_of(model.config) is not None:
+        targets = linear_layers_outside_experts(model)
     lora = LoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, use_dora=cfg.method == "dora",
         use_rslora=cfg.use_rslora, modules_to_save=cfg.modules_to_save or None, task_type="CAUSAL_LM",
@@ -57,6 +60,20 @@ def add_adapters(model: PreTrainedModel, cfg: PeftConfig) -> PeftModel:
         # With the embeddings frozen, checkpointed layers would get inputs that do not require grad.
         adapted.enable_input_require_grads()
     return adapted
+
+
+def linear_layers_outside_experts(model: PreTrainedModel) -> list[str]:
+    """`all-linear` for a mixture of experts: every linear layer but the output head, the routers and the routed
+    experts, by full name. PEFT's own all-linear adds the fused experts and routers of some families (as
+    `target_parameters`), which would change routing and the experts without the recipe asking."""
+    from finetune.routing import routers
+
+    head = model.get_output_embeddings()
+    excluded = {id(module) for router in routers(model) for module in router.modules()} | {id(head)}
+    return [
+        name for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and id(module) not in excluded and not is_routed_expert(name)
+    ]  # fmt: skip
 
 
 def check_adapter_targets(model: PreTrainedModel, cfg: PeftConfig) -> None:

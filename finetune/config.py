@@ -52,6 +52,12 @@ class ModelConfig:
     attend by their sample boundaries, through torch's FlashAttention varlen kernel on GPUs (bf16/fp16) and
     per-sample SDPA elsewhere, instead of through a dense block mask (finetune/attention.py)."""
 
+    experts_implementation: Literal["grouped_mm", "batched_mm", "eager"] = "grouped_mm"
+    """Mixtures of experts: how a layer's experts compute (transformers' experts implementations):
+    `grouped_mm` one grouped matmul over all experts (the fastest; every expert dimension must span a
+    multiple of 16 bytes), `batched_mm` each token's experts as one batched matmul, `eager` a loop over
+    the experts. Dense models have none to choose."""
+
     trust_remote_code: bool = False
     """Run modelling code shipped with the checkpoint. Off unless you trust its source."""
 
@@ -376,7 +382,8 @@ class PeftConfig:
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """Modules that get adapters, by name (e.g. [q_proj, k_proj, v_proj, o_proj]): linear layers, embeddings
     (embed_tokens) and GPT-2's Conv1D; [all-linear] (or all-linear, PEFT's spelling) for every linear layer
-    but the output head. A list value may be written as one name."""
+    but the output head: of a mixture of experts, attention, dense MLPs and shared experts, never its routers
+    or routed experts (which PEFT 0.21's all-linear adapts too). A list value may be written as one name."""
 
     use_rslora: bool = False
     """Rank-stabilized scaling alpha / sqrt(r), which keeps high ranks from learning more slowly."""

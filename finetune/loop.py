@@ -75,6 +75,7 @@ from finetune.model import (
     checkpoint_dropout_exactly,
     disable_dropout,
     load_model,
+    load_model_config,
     load_tokenizer,
     model_folder,
     save_model_files,
@@ -95,10 +96,12 @@ from finetune.reference import (
     reference_key,
     write_reference,
 )
-from finetune.routing import route_in_fp32, set_up_routing
+from finetune.routing import check_experts_recipe, route_in_fp32, set_up_routing
 from finetune.wrap import format_wrap_plan, fsdp_units, reshard, shard_frozen, validate_wrap_policy
 
 logger = logging.getLogger("finetune")
+# The dtype of the matmuls under each accelerate mixed-precision setting ("no": the parameters' dtype).
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 Batch = dict[str, torch.Tensor]
 
@@ -163,6 +166,8 @@ def preflight(recipe: RecipeConfig) -> Path | None:
     if recipe.preference is not None and recipe.preference.reference_model:
         check_model_path(recipe.preference.reference_model)
     check_quantized_base(recipe.model, adapters=recipe.peft is not None, export_merged=recipe.output.export_merged)
+    quantization = recipe.peft.quantization if recipe.peft is not None and recipe.peft.quantization != "none" else None
+    check_experts_recipe(load_model_config(recipe.model), quantization, recipe.train.router_aux_loss_coef)
     problems = environment_problems(recipe)
     if problems:
         raise FinetuneError("; ".join(problems))
@@ -272,7 +277,10 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
         save_state = _async_saver(accelerator, model, optimizer, adapters is not None)
     loss_path, loss_line = choose_loss_path(recipe.train.loss, accelerator.unwrap_model(model))
     # Before any forward (a precomputed reference's too): a mixture of experts routes in fp32 from here on.
-    balancing, routing_line = set_up_routing(accelerator.unwrap_model(model), recipe.train.router_aux_loss_coef)
+    compute_dtype = _COMPUTE_DTYPES.get(str(accelerator.mixed_precision), DTYPES[recipe.model.dtype])
+    balancing, routing_line = set_up_routing(
+        accelerator.unwrap_model(model), recipe.train.router_aux_loss_coef, compute_dtype
+    )
     objective, write_reference = build_objective(recipe, data, model, accelerator, loss_path, adapters, resume_from)
     if balancing is not None:
         objective = Balanced(objective, balancing)
@@ -432,7 +440,7 @@ def run_steps(run: Run, metrics: MetricsLogger, start: TrainerState) -> tuple[st
                 }
                 if peak is not None:
                     values["mfu"] = flops_since_log / elapsed / (peak * accelerator.num_processes)
-                metrics.log(step, values)
+                metrics.log(step, values | run.objective.periodic_metrics(accelerator))
                 last_log_time, tokens_since_log, steps_since_log, flops_since_log = time.perf_counter(), 0, 0, 0.0
             if (profiled := profiler.end(step)) is not None:
                 accelerator.print(profiled)

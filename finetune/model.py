@@ -23,6 +23,7 @@ from transformers import (
 from finetune import attention as varlen
 from finetune.config import ModelConfig
 from finetune.errors import FinetuneError, first_line
+from finetune.family import experts_of
 from finetune.recompute import Policy, checkpoint_kwargs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -249,6 +250,8 @@ def load_model(
         ) from None
     if attention == varlen.NAME and (reason := varlen.unsupported(model.config)) is not None:
         raise FinetuneError(f"model.attn_implementation=varlen cannot run {cfg.name_or_path!r}: {reason}; use sdpa")
+    if experts_of(model.config) is not None:
+        model.set_experts_implementation(cfg.experts_implementation)
     if activation_checkpointing != "none":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(activation_checkpointing))
     # from_pretrained returns the model in eval mode, where dropout and activation checkpointing are off.

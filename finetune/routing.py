@@ -28,7 +28,7 @@ import torch
 from torch.func import functional_call
 
 from finetune.errors import FinetuneError
-from finetune.family import experts_of
+from finetune.family import experts_of, is_routed_expert
 
 
 def router_class(model: torch.nn.Module) -> tuple[type, int] | None:
@@ -72,7 +72,7 @@ def _fp32_forward(holder: _Holder, hidden_states: torch.Tensor, *args, **kwargs)
 
 
 def set_up_routing(
-    model: torch.nn.Module, requested_coefficient: float | None
+    model: torch.nn.Module, requested_coefficient: float | None, compute_dtype: torch.dtype
 ) -> tuple[BalancingLoss | None, str | None]:
     """Route `model`'s experts in fp32 and record its routers for the balancing loss (None: off), with the log line;
     nothing for a dense model. Call on the model as prepared (the routers are found through any wrapper)."""
@@ -82,6 +82,8 @@ def set_up_routing(
         return None, None
     coefficient = balancing_coefficient(model.config, requested_coefficient)
     implementation = getattr(model.config.get_text_config(), "_experts_implementation", None) or "eager"
+    if implementation == "grouped_mm":
+        check_grouped_mm_shapes(model, compute_dtype)
     route_in_fp32(model)
     balancing = BalancingLoss(model, coefficient) if coefficient > 0 else None
     source = "train.router_aux_loss_coef" if requested_coefficient is not None else "the model's coefficient"
@@ -89,6 +91,35 @@ def set_up_routing(
     return balancing, (
         f"experts: {experts.active} of {experts.total} per token ({implementation}); routers in fp32; {term}"
     )
+
+
+def check_grouped_mm_shapes(model: torch.nn.Module, compute_dtype: torch.dtype) -> None:
+    """torch's grouped matmul needs every dimension of an expert's weights to span a multiple of 16 bytes in the
+    compute dtype; refuse other shapes before the first step fails deep inside it."""
+    size = torch.empty(0, dtype=compute_dtype).element_size()
+    for name, parameter in model.named_parameters():
+        if is_routed_expert(name) and parameter.dim() == 3:
+            odd = [n for n in parameter.shape[1:] if n * size % 16]
+            if odd:
+                raise FinetuneError(
+                    f"{name} has experts of shape {tuple(parameter.shape[1:])}, and grouped_mm needs each dimension "
+                    f"to be a multiple of {16 // size} elements in {str(compute_dtype).removeprefix('torch.')} "
+                    f"({odd[0]} is not); set model.experts_implementation=batched_mm"
+                )
+
+
+def check_experts_recipe(config, quantization: str | None, requested_coefficient: float | None) -> None:
+    """What a recipe asks of a model's experts, checked from its config before anything loads: a balancing loss
+    only where the model has one; no 4-bit base for a mixture of experts, whose experts bitsandbytes would leave
+    unquantized (it quantizes linear layers; transformers holds the experts as fused 3-D tensors)."""
+    balancing_coefficient(config, requested_coefficient)
+    experts = experts_of(config)
+    if experts is not None and quantization is not None:
+        raise FinetuneError(
+            f"peft.quantization={quantization} quantizes linear layers only, and this {config.model_type} model "
+            f"holds its {experts.total} experts per layer as fused 3-D tensors, most of its weights, which would stay "
+            "in the base's dtype; remove peft.quantization (LoRA on a bf16 base) or train a dense model"
+        )
 
 
 def balancing_coefficient(config, requested: float | None) -> float:
@@ -113,6 +144,8 @@ class BalancingLoss:
 
     model: torch.nn.Module
     coefficient: float
+    load: torch.Tensor | None = None
+    """Tokens routed to each expert of each MoE layer (layers x experts) since the last `load_metrics`."""
     _logits: list[torch.Tensor] = field(default_factory=list)
     _recording: bool = False
 
@@ -149,9 +182,27 @@ class BalancingLoss:
             self._recording = False
 
     def take(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The balancing term of the forward just recorded, over the batch's real tokens; the logits are released."""
+        """The balancing term of the forward just recorded, over the batch's real tokens; the logits are released.
+        Each layer's tokens per expert are added to `load` (on the device: no sync)."""
         logits, self._logits = tuple(self._logits), []
-        return self.loss_function(logits, self.num_experts, self.top_k, real_tokens(batch))
+        mask = real_tokens(batch)
+        with torch.no_grad():
+            weights = mask.reshape(-1, 1).to(logits[0].device, torch.float32).expand(-1, self.top_k).reshape(-1)
+            chosen = [layer.topk(self.top_k, dim=-1).indices.reshape(-1) for layer in logits]
+            counts = torch.zeros(len(logits), self.num_experts, device=logits[0].device)
+            for layer, experts in enumerate(chosen):
+                counts[layer].scatter_add_(0, experts, weights)
+            self.load = counts if self.load is None or self.load.shape != counts.shape else self.load + counts
+        return self.loss_function(logits, self.num_experts, self.top_k, mask)
+
+    def load_metrics(self, reduce) -> dict[str, float]:
+        """Each MoE layer's expert load since the last call: the busiest expert's tokens over the mean expert's,
+        over all processes (`reduce`: a sum across them); 1 is perfect balance, num_experts / top_k the worst."""
+        if self.load is None:
+            return {}
+        load, self.load = reduce(self.load), None
+        ratios = (load.max(dim=1).values / load.mean(dim=1).clamp(min=1e-9)).tolist()
+        return {f"expert_load/{layer}": ratio for layer, ratio in enumerate(ratios)}
 
 
 def real_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:

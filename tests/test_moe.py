@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import REPO, Run, launch, recipe_overrides
+from conftest import DEMO_RECIPE, REPO, Run, launch, recipe_overrides
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_export import max_logits_difference
@@ -21,7 +21,14 @@ from finetune.checkpoint import MARKER, MODEL_FILES
 from finetune.errors import FinetuneError
 from finetune.family import active_parameters, experts_of
 from finetune.flops import model_flops
-from finetune.routing import BalancingLoss, balancing_coefficient, real_tokens, route_in_fp32, routers
+from finetune.routing import (
+    BalancingLoss,
+    balancing_coefficient,
+    check_grouped_mm_shapes,
+    real_tokens,
+    route_in_fp32,
+    routers,
+)
 
 # Tiny shapes every family takes; each config keeps only the keys it has.
 TINY = dict(
@@ -278,6 +285,8 @@ def test_balancing_loss_is_normalized_like_the_loss_on_any_process_count(moe_run
     steps = [m for m in two if "aux_loss" in m]
     assert len(steps) == 6
     assert all(2.0 <= m["aux_loss"] < 4.0 for m in steps)  # top_k (2) at perfect balance, more when unbalanced
+    # each layer's busiest expert over the mean: 1 at perfect balance, 2 (4 experts / top 2) at the worst
+    assert all(1.0 <= m[f"expert_load/{layer}"] <= 2.0 for m in steps for layer in (0, 1))
     for a, b in zip(steps, [m for m in one if "aux_loss" in m], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
         assert a["aux_loss"] == pytest.approx(b["aux_loss"], abs=1e-5)
@@ -292,7 +301,7 @@ def test_lora_on_an_moe_model_merges_into_the_hub_layout(tmp_path_factory, demo_
     under those names, from the base's own files, and gives the trained model's logits."""
     run = _moe_run(
         tmp_path_factory, demo_assets, moe_bases["mixtral"], "moe_lora", 2,
-        **{"peft.r": 8, "peft.target_modules": "[q_proj,k_proj,v_proj,o_proj]", "output.export_merged": "true"},
+        **{"peft.r": 8, "peft.target_modules": "[all-linear]", "output.export_merged": "true"},
     )  # fmt: skip
     merged = run.output_dir / "final_merged"
     with safe_open(merged / "model.safetensors", "pt") as f:
@@ -301,3 +310,55 @@ def test_lora_on_an_moe_model_merges_into_the_hub_layout(tmp_path_factory, demo_
         assert names == set(f.keys())
     assert "model.layers.1.block_sparse_moe.experts.0.w1.weight" in names
     assert max_logits_difference(run.output_dir, merged) <= 1e-4
+
+
+def test_expert_shapes_grouped_mm_cannot_take_are_refused_with_the_fix():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", moe_intermediate_size=36))
+    check_grouped_mm_shapes(model, torch.float32)  # 36 x 4 bytes: a multiple of 16
+    with pytest.raises(FinetuneError, match=r"8 elements in bfloat16 \(36 is not\); set model.experts_implementation"):
+        check_grouped_mm_shapes(model, torch.bfloat16)
+    model = model.to(torch.bfloat16)
+    ids = torch.randint(0, 128, (2, 8))
+    with pytest.raises(RuntimeError, match="multiple of 16 bytes"):  # what the refusal spares the user
+        model(ids, use_cache=False)
+    model.set_experts_implementation("batched_mm")  # what model.experts_implementation=batched_mm loads
+    assert model(ids, use_cache=False).logits.isfinite().all()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"])
+def test_all_linear_adapts_linear_layers_and_leaves_routers_and_experts_alone(model_type):
+    from finetune.adapters import add_adapters
+    from finetune.config import PeftConfig
+
+    adapted = add_adapters(AutoModelForCausalLM.from_config(tiny_config(model_type)), PeftConfig())
+    layers = {name.split(".lora_A")[0].split("layers.1.")[-1] for name, _ in adapted.named_parameters()
+              if "lora_A" in name and "layers.1." in name}  # fmt: skip
+    expected = {f"self_attn.{p}_proj" for p in "qkvo"}
+    if model_type == "qwen2_moe":  # its shared expert is a dense MLP every token goes through, with a linear gate
+        expected |= {f"mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")} | {"mlp.shared_expert_gate"}
+    assert layers == expected
+    assert not adapted.peft_config["default"].target_parameters
+
+
+@pytest.mark.parametrize(
+    "model, setting, fragment",
+    [
+        (
+            "qwen3_moe",
+            "peft.quantization=nf4",
+            "peft.quantization=nf4 quantizes linear layers only, and this qwen3_moe",
+        ),
+        ("dense", "train.router_aux_loss_coef=0.01", "the llama model is dense; remove train.router_aux_loss_coef"),
+    ],
+)
+def test_moe_settings_a_model_cannot_take_are_refused_before_loading(
+    model, setting, fragment, tmp_path, demo_assets, moe_bases
+):
+    from test_errors import assert_user_error, run_cli
+
+    base = moe_bases.get(model, demo_assets / "base")
+    overrides = recipe_overrides(demo_assets, tmp_path / "out", **{"model.name_or_path": base})
+    result = run_cli("train", str(DEMO_RECIPE), *overrides, setting)
+    assert_user_error(result, fragment)
+    assert not (tmp_path / "out").exists()

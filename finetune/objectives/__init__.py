@@ -7,6 +7,7 @@ micro-batch with the metrics it logs, and evaluation. The loop asks it and never
     count(batch)        -> how many units the micro-batch holds (a CPU tensor the collator made)
     loss(model, batch)  -> (summed loss over those units, differentiable; the metrics' sums, detached)
     evaluate(...)       -> the eval metrics over a whole loader, each unit counted once
+    periodic_metrics()  -> what it gathered between logs (a mixture of experts' load per layer), or {}
 
 Normalization is the loop's: a step minimizes (sum of unit losses) / (units in the whole step, over
 all micro-batches and processes), so any split of the same global batch gives the same update.
@@ -40,3 +41,8 @@ class Objective(Protocol):
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def evaluate(self, model: torch.nn.Module, loader: DataLoader, accelerator: Accelerator) -> dict[str, float]: ...
+
+    def periodic_metrics(self, accelerator: Accelerator) -> dict[str, float]:
+        """What the objective gathered since the last log (a collective: every process calls it), logged with
+        the step's metrics; {} for objectives that gather nothing between logs."""
+        ...

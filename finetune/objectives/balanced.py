@@ -46,5 +46,8 @@ class Balanced:
         total = summed + self.balancing.coefficient * term * units
         return total, torch.cat([sums.to(summed.device), (term.detach() * units).reshape(1)])
 
+    def periodic_metrics(self, accelerator: Accelerator) -> dict[str, float]:
+        return self.balancing.load_metrics(lambda load: accelerator.reduce(load, "sum"))
+
     def evaluate(self, model: torch.nn.Module, loader: DataLoader, accelerator: Accelerator) -> dict[str, float]:
         return self.inner.evaluate(model, loader, accelerator)

@@ -130,6 +130,9 @@ class Preference:
         table = self.reference_logps[batch["pair_index"].cpu()]  # (pairs, 2)
         return torch.cat([table[:, 0], table[:, 1]]).to(batch["input_ids"].device, torch.float32)
 
+    def periodic_metrics(self, accelerator: Accelerator) -> dict[str, float]:
+        return {}
+
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, loader: DataLoader, accelerator: Accelerator) -> dict[str, float]:
         """The loss and metrics averaged over every held-out pair (each counted once, whatever the process count)."""

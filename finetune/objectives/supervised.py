@@ -26,6 +26,9 @@ class Supervised:
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return batch_loss(model, batch, self.loss_path).total, torch.zeros(0)
 
+    def periodic_metrics(self, accelerator: Accelerator) -> dict[str, float]:
+        return {}
+
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, loader: DataLoader, accelerator: Accelerator) -> dict[str, float]:
         """Mean loss per target token over the whole eval set (each row counted once, whatever the process count)."""
