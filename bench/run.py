@@ -121,48 +121,30 @@ class Bench:
 
     # ---- assets -------------------------------------------------------------------------------
 
-    def model(self, size: Size) -> Path:
-        """A randomly initialised Llama of `size`, saved once with the demo tokenizer."""
-        folder = self.work / "models" / size.name
+    def model(self, size: Size, experts: int = 0) -> Path:
+        """A randomly initialised Llama of `size`, or with `experts` a Qwen3-MoE of its width and depth with that
+        many experts of a quarter of its MLP width, 2 per token; saved once with the demo tokenizer."""
+        folder = self.work / "models" / (f"{size.name}-moe" if experts else size.name)
         if (folder / "config.json").exists():
             return folder
         import torch
-        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.work / "demo" / "base")
         torch.manual_seed(0)
-        config = LlamaConfig(
+        shape = dict(
             vocab_size=max(size.vocab, len(tokenizer)), hidden_size=size.hidden, intermediate_size=size.intermediate,
             num_hidden_layers=size.layers, num_attention_heads=size.heads, num_key_value_heads=size.heads,
             max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )  # fmt: skip
+        if experts:
+            moe = dict(moe_intermediate_size=size.intermediate // 4, num_experts=experts, num_experts_per_tok=2)
+            config = AutoConfig.for_model("qwen3_moe", **shape, **moe, head_dim=size.hidden // size.heads)
+        else:
+            config = AutoConfig.for_model("llama", **shape)
         partial = folder.with_suffix(".partial")
-        LlamaForCausalLM(config).save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
-        partial.rename(folder)
-        return folder
-
-    def moe_model(self, size: Size) -> Path:
-        """A randomly initialised Qwen3-MoE of `size`'s width and depth: 8 experts of a quarter of its MLP width,
-        2 per token (its MLP compute per token is half the dense model's), with the demo tokenizer."""
-        folder = self.work / "models" / f"{size.name}-moe"
-        if (folder / "config.json").exists():
-            return folder
-        import torch
-        from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-        tokenizer = AutoTokenizer.from_pretrained(self.work / "demo" / "base")
-        torch.manual_seed(0)
-        config = Qwen3MoeConfig(
-            vocab_size=max(size.vocab, len(tokenizer)), hidden_size=size.hidden, intermediate_size=size.intermediate,
-            moe_intermediate_size=size.intermediate // 4, num_experts=8, num_experts_per_tok=2,
-            num_hidden_layers=size.layers, num_attention_heads=size.heads, num_key_value_heads=size.heads,
-            head_dim=size.hidden // size.heads, max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        )  # fmt: skip
-        partial = folder.with_suffix(".partial")
-        Qwen3MoeForCausalLM(config).save_pretrained(partial)
+        AutoModelForCausalLM.from_config(config).save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         partial.rename(folder)
         return folder
@@ -566,7 +548,7 @@ class Bench:
         balancing loss on: target tokens/s with transformers' grouped_mm experts against its per-expert loop
         (`eager`), and against TRL's SFTTrainer, whose model adds its own balancing loss (output_router_logits)."""
         size = self.train_size
-        model = self.moe_model(size)
+        model = self.model(size, experts=8)
         runs: dict[str, list[float]] = {"grouped_mm": [], "eager": [], "trl_sft_moe_ddp": []}
         for repeat in range(self.repeats):
             for experts in ("grouped_mm", "eager"):
