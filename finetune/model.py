@@ -12,6 +12,7 @@ from accelerate import init_empty_weights
 from accelerate.utils import FullyShardedDataParallelPlugin
 from safetensors import SafetensorError
 from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -97,9 +98,19 @@ _KERNEL_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"), "flash_at
                     "flash-attn 3 (its hopper/ build)")}  # fmt: skip
 
 
+# The attention implementations transformers runs a model class with, by the flag the class sets.
+_CLASS_SUPPORTS = {
+    "sdpa": "_supports_sdpa",
+    "flex_attention": "_supports_flex_attn",
+    "flash_attention_2": "_supports_flash_attn",
+    "flash_attention_3": "_supports_flash_attn",
+}
+
+
 def check_attention(cfg: ModelConfig) -> None:
-    """An attention kernel named in the recipe is installed: transformers would raise an ImportError after the
-    launch, from every process."""
+    """The recipe's attention implementation runs this model, and its kernel is installed: transformers would
+    raise after the launch, from every process (gpt-oss, whose heads add learned sinks, has no sdpa path; the
+    varlen path knows none of sliding windows, soft-capping or attention dropout)."""
     import importlib.util
 
     if cfg.attn_implementation in _KERNEL_PACKAGES:
@@ -109,6 +120,21 @@ def check_attention(cfg: ModelConfig) -> None:
                 f"model.attn_implementation={cfg.attn_implementation} needs {package}, which is not installed; "
                 "install it on every machine, or set model.attn_implementation=sdpa (or varlen for packed rows)"
             )
+    config = load_model_config(cfg)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if model_class is None:  # remote code: its class is not known before it loads
+        return
+    runs = ["eager"] + [name for name, flag in _CLASS_SUPPORTS.items() if getattr(model_class, flag, False)]
+    reason = None
+    if cfg.attn_implementation == varlen.NAME:
+        reason = varlen.unsupported(config)
+    elif cfg.attn_implementation in _CLASS_SUPPORTS and cfg.attn_implementation not in runs:
+        reason = f"transformers has no {cfg.attn_implementation} path for {model_class.__name__}"
+    if reason is not None:
+        raise FinetuneError(
+            f"model.attn_implementation={cfg.attn_implementation} cannot run {cfg.name_or_path!r}: {reason}; set "
+            f"model.attn_implementation to one of: {', '.join(runs)}"
+        )
 
 
 def check_quantized_base(cfg: ModelConfig, adapters: bool, export_merged: bool = False) -> None:

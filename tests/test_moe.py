@@ -220,12 +220,13 @@ def test_under_bf16_fsdp2_routers_compute_in_fp32(model_type):
 
 @pytest.fixture(scope="module")
 def moe_bases(tmp_path_factory, demo_assets) -> dict[str, Path]:
-    """Tiny Qwen3-MoE and Mixtral models (4 experts, top 2) with the demo's tokenizer, saved as hub models are."""
+    """Tiny Qwen3-MoE, Mixtral and gpt-oss models (4 experts, top 2) with the demo's tokenizer, saved as hub models
+    are."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(demo_assets / "base")
     bases = {}
-    for model_type in ("qwen3_moe", "mixtral"):
+    for model_type in ("qwen3_moe", "mixtral", "gpt_oss"):
         torch.manual_seed(0)
         config = tiny_config(
             model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
@@ -238,7 +239,7 @@ def moe_bases(tmp_path_factory, demo_assets) -> dict[str, Path]:
 
 
 MOE_SETTINGS = {"train.max_steps": 6, "train.eval_every_steps": 0, "data.eval_path": "null"}
-WRAP = {"qwen3_moe": "Qwen3MoeDecoderLayer", "mixtral": "MixtralDecoderLayer"}
+WRAP = {"qwen3_moe": "Qwen3MoeDecoderLayer", "mixtral": "MixtralDecoderLayer", "gpt_oss": "GptOssDecoderLayer"}
 
 
 def _moe_run(tmp_path_factory, assets: Path, base: Path, name: str, num_processes: int, **extra) -> Run:
@@ -362,3 +363,24 @@ def test_moe_settings_a_model_cannot_take_are_refused_before_loading(
     result = run_cli("train", str(DEMO_RECIPE), *overrides, setting)
     assert_user_error(result, fragment)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.multiprocess
+def test_gpt_oss_trains_with_eager_attention_and_keeps_its_fused_names(tmp_path_factory, demo_assets, moe_bases):
+    """gpt-oss: its heads add learned sinks, which transformers' sdpa path lacks (refused before loading, naming
+    what runs); with eager attention it trains on 2 processes and exports under the names its hub files have."""
+    from test_errors import assert_user_error, run_cli
+
+    overrides = recipe_overrides(demo_assets, tmp_path_factory.mktemp("refused") / "out")
+    result = run_cli("train", str(DEMO_RECIPE), *overrides, f"model.name_or_path={moe_bases['gpt_oss']}")
+    assert_user_error(result, "transformers has no sdpa path for GptOssForCausalLM; set model.attn_implementation")
+    run = _moe_run(
+        tmp_path_factory, demo_assets, moe_bases["gpt_oss"], "gpt_oss", 2, **{"model.attn_implementation": "eager"}
+    )
+    with (
+        safe_open(run.output_dir / "final" / "model.safetensors", "pt") as f,
+        safe_open(moe_bases["gpt_oss"] / "model.safetensors", "pt") as hub,
+    ):
+        assert set(f.keys()) == set(hub.keys())  # noqa: SIM118
+    assert max_logits_difference(run.output_dir, run.output_dir / "final") <= 1e-5
+    assert "experts: 2 of 4 per token (grouped_mm); routers in fp32; balancing loss x0.001" in run.log
