@@ -19,6 +19,7 @@ import os
 import pickle
 import re
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
@@ -229,6 +230,8 @@ class PendingCheckpoint:
     final: Path
     step: int
     keep_last: int
+    started: float
+    """When the save began (time.perf_counter): the log says how long the checkpoint took to be complete."""
     uploads: list[Future] = field(default_factory=list)
     """Writes still running in the background (asynchronous saves); empty for a synchronous save."""
 
@@ -249,6 +252,7 @@ def save_checkpoint(
     `write_model_files(folder)` writes the config, generation config and tokenizer files; `names` are
     the model's `tensor_names`, taken before FSDP wrapped it.
     """
+    started = time.perf_counter()
     root = checkpoints_root(output_dir)
     final = root / f"step_{state.step}"
     partial = root / f"step_{state.step}.partial"
@@ -264,7 +268,7 @@ def save_checkpoint(
         save_recipe(recipe, partial / "recipe.yaml")
         write_model_files(partial / MODEL_FILES)
         (partial / TENSOR_NAMES).write_text(json.dumps(names))
-    return PendingCheckpoint(partial, final, state.step, recipe.checkpoint.keep_last, uploads)
+    return PendingCheckpoint(partial, final, state.step, recipe.checkpoint.keep_last, started, uploads)
 
 
 def finish_checkpoint(accelerator: Accelerator, pending: PendingCheckpoint) -> Path:
@@ -281,6 +285,7 @@ def finish_checkpoint(accelerator: Accelerator, pending: PendingCheckpoint) -> P
         for old in complete_checkpoints(pending.final.parent)[: -pending.keep_last]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
+    accelerator.print(f"checkpoint: {pending.final.name} saved in {time.perf_counter() - pending.started:.1f} s")
     return pending.final
 
 

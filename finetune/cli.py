@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from finetune import chatter
 from finetune.errors import FinetuneError
 
 EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -25,6 +26,9 @@ EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if getattr(args, "verbose", False):
+        os.environ[chatter.VERBOSE] = "1"
+    chatter.quiet_libraries()
     try:
         if args.command == "train":
             _train(args.recipe, args.overrides)
@@ -127,6 +131,11 @@ def _parser() -> argparse.ArgumentParser:
     train_parser = commands.add_parser("train", help="train with a recipe (run under `accelerate launch`)")
     train_parser.add_argument("recipe", help="recipe YAML, e.g. recipes/demo/tiny_llama.yaml")
     train_parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-5 train.max_steps=10")
+    train_parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help=f"the libraries' own progress bars and info lines too (or {chatter.VERBOSE}=1)",
+    )
     export_parser = commands.add_parser(
         "export", help="write a checkpoint as a Hugging Face model folder (one process, no launcher)"
     )

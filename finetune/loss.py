@@ -158,7 +158,9 @@ def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor) -> Iterato
         with_grads = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
         total, losses = _LinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, with_grads)
         per_token.append(losses)
-        return total.reshape(1)
+        # A new tensor, not a view of `total`: FSDP2 warns about views leaving a unit (an in-place op on
+        # one would skip its backward hook).
+        return torch.stack([total])
 
     with _head_forward(head, forward):
         yield per_token

@@ -469,3 +469,12 @@ def test_qlora_under_bf16_compute_packs_its_weights_in_bf16_whatever_model_dtype
     assert "its linear weights in 4 bits (nf4, packed in bfloat16 storage" in log and "compute in bfloat16" in log
     losses = Run(result, tmp_path / "out").losses()
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+
+
+def test_a_qlora_run_prints_only_its_own_lines(qlora_run):
+    """An adapter run imports PEFT and bitsandbytes, whose import-time chatter stays out of the log."""
+    from test_log import ALLOWED, log_lines
+
+    allowed = [*ALLOWED, r"adapters: ", r"exported \S+ with the adapter merged to \S+$"]
+    unexpected = [line for line in log_lines(qlora_run) if not any(re.match(p, line) for p in allowed)]
+    assert unexpected == [], "\n".join(unexpected[:20])

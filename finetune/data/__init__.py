@@ -24,6 +24,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
+from finetune.chatter import no_datasets_bars
 from finetune.config import DataConfig, SourceConfig
 from finetune.data.chat import encode_chats
 from finetune.data.pack import collate_packed, collate_padded, pack
@@ -106,7 +107,8 @@ def prepare_split(
     for source, part in tokenized if cfg.invalid == "drop" else ():
         _check_invalid_share(part, _where(source, cfg, evaluation) or "the data")
     every = tokenized[0][1] if len(tokenized) == 1 else datasets.concatenate_datasets([t for _, t in tokenized])
-    kept = every.filter(lambda counts: [n > 0 for n in counts], input_columns="num_targets", batched=True)
+    with no_datasets_bars():
+        kept = every.filter(lambda counts: [n > 0 for n in counts], input_columns="num_targets", batched=True)
     if len(kept) == 0:
         trained = "assistant turn" if "messages" in parts[0][1].column_names else "completion or text"
         raise FinetuneError(

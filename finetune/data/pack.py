@@ -9,6 +9,7 @@ from typing import Any
 import datasets
 import torch
 
+from finetune.chatter import no_datasets_bars
 from finetune.data.tokenize import IGNORE
 
 WINDOW = 2000
@@ -25,13 +26,14 @@ def pack(dataset: datasets.Dataset, max_length: int, pad_id: int) -> datasets.Da
     `position_ids` restart at 0 for each sample; transformers reads those restarts as sequence
     boundaries and builds a block-causal mask, so attention does not cross samples either.
     """
-    return dataset.map(
-        functools.partial(_pack_batch, max_length=max_length, pad_id=pad_id),
-        batched=True,
-        batch_size=WINDOW,
-        remove_columns=dataset.column_names,
-        desc="packing",
-    )
+    with no_datasets_bars():
+        return dataset.map(
+            functools.partial(_pack_batch, max_length=max_length, pad_id=pad_id),
+            batched=True,
+            batch_size=WINDOW,
+            remove_columns=dataset.column_names,
+            desc="packing",
+        )
 
 
 def best_fit(lengths: list[int], capacity: int) -> list[list[int]]:

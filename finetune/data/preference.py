@@ -24,6 +24,7 @@ import datasets
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from finetune.chatter import no_datasets_bars
 from finetune.config import DataConfig
 from finetune.data.chat import describe, encode_rendered, render_chats
 from finetune.data.sources import SAMPLE_INDEX
@@ -167,8 +168,9 @@ def prepare_pairs(
             f"{cfg.max_length} even with their prompt cut, {stats.num_identical:,} prefer a reply to itself; check "
             "the data, or raise data.max_length"
         )
-    kept = every.filter(lambda k, s: [a and not b for a, b in zip(k, s, strict=True)], input_columns=["kept", "same"],
-                        batched=True)  # fmt: skip
+    with no_datasets_bars():
+        kept = every.filter(lambda k, s: [a and not b for a, b in zip(k, s, strict=True)],
+                            input_columns=["kept", "same"], batched=True)  # fmt: skip
     kept = kept.remove_columns(["kept", "same", "truncated"])
     return kept.add_column("pair_index", list(range(first_index, first_index + len(kept)))), stats
 

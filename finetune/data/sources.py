@@ -13,6 +13,7 @@ from pathlib import Path
 import datasets
 import numpy
 
+from finetune.chatter import no_datasets_bars
 from finetune.config import DataConfig, SourceConfig
 from finetune.data.chat import names_a_template, read_chat_template
 from finetune.errors import FinetuneError, first_line
@@ -147,7 +148,8 @@ def load_split(path: str, split: str, subset: str | None = None) -> datasets.Dat
         if local.exists():
             local = local_subset(local, subset)
             builder, files = local_files(local)
-            dataset = datasets.load_dataset(builder, data_files=files, split="train")
+            with no_datasets_bars():  # "Generating train split": a step of the split's tokenization
+                dataset = datasets.load_dataset(builder, data_files=files, split="train")
             # datasets stores text that is not UTF-8 as is, to fail on first access deep inside a map; this
             # full validation (Arrow, in C++) finds it now, and the message below says where it is.
             dataset.data.table.validate(full=True)

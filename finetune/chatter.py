@@ -1,0 +1,50 @@
+"""What a normal run prints besides finetune's own lines: one progress bar per tokenized split and one for
+training, and the libraries' warnings when something is wrong; not their per-rank progress bars, their info
+lines per checkpoint, or warnings about how finetune itself calls them.
+
+`FINETUNE_VERBOSE=1` (or `finetune train --verbose`) leaves every library as it is, to debug with."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from collections.abc import Iterator
+
+VERBOSE = "FINETUNE_VERBOSE"
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE, "0") not in ("", "0")
+
+
+def quiet_libraries() -> None:
+    """Silence, for this process, what the libraries print on every normal run (unless verbose)."""
+    if verbose():
+        return
+    # accelerate's save_state logs a dozen "[RANK 0] Saving ..." lines per checkpoint at info level.
+    logging.getLogger("accelerate").setLevel(logging.WARNING)
+    # bitsandbytes warns, on import, that an optional CPU kernel package (`kernels`) is not installed.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    # PEFT asks transformers for `is_gradient_checkpointing`, a name transformers 5 deprecates.
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # "Loading weights", from every rank
+
+
+@contextlib.contextmanager
+def no_datasets_bars() -> Iterator[None]:
+    """datasets' own bars off while inside (reading files, filtering, packing: steps of a split whose one bar is
+    its tokenization's), unless verbose."""
+    import datasets
+
+    if verbose() or not datasets.is_progress_bar_enabled():
+        yield
+        return
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.enable_progress_bars()
