@@ -335,6 +335,28 @@ def check_resume_kind(path: Path, adapters: bool) -> None:
         )
 
 
+def check_resume_strategy(path: Path, fsdp: bool) -> None:
+    """A full fine-tuning checkpoint holds the model and optimizer as its strategy saved them (FSDP: its sharded
+    or full state dicts; DDP and one process: safetensors), and accelerate's load_state reads only its own
+    strategy's layout. Adapter checkpoints are written in one layout for every strategy."""
+    if (path / ADAPTER_STATE).is_dir():
+        return
+    under_fsdp = (path / "pytorch_model_fsdp_0").is_dir() or any(path.glob("pytorch_model_fsdp*.bin"))
+    if under_fsdp == fsdp:
+        return
+    if under_fsdp:
+        raise FinetuneError(
+            f"checkpoint {path} was written under FSDP, and this launch has no FSDP: resume it with an FSDP "
+            "accelerate config (e.g. accelerate_configs/fsdp2_full_shard.yaml, with any number of processes), or "
+            "export it (finetune export) and start a new run from the export"
+        )
+    raise FinetuneError(
+        f"checkpoint {path} was written without FSDP (one process or DDP), and this launch shards with FSDP: resume "
+        "it with the config it was written under (e.g. accelerate_configs/single_gpu.yaml or ddp.yaml), or export it "
+        "(finetune export) and start a new run from the export"
+    )
+
+
 def check_resume_objective(path: Path, objective: str) -> None:
     """A checkpoint resumes only a run of its own objective: preference tuning after a supervised run starts
     from that run's export, with a fresh optimizer, not from its checkpoint."""

@@ -186,6 +186,12 @@ def launch_problems(launch: Launch, raw: dict, environ: Mapping[str, str], for_l
     if processes < 1 or machines < 1:
         return [f"NUM_PROCESSES={processes} and NUM_MACHINES={machines} must both be at least 1"]
     problems = []
+    if raw.get("distributed_type") == "NO" and processes > 1:
+        # accelerate would start one process and drop the others without a word.
+        problems.append(
+            f"{launch.config_path.name} runs one process (distributed_type: NO), not NUM_PROCESSES={processes}; "
+            "launch it with 1, or use accelerate_configs/ddp.yaml or fsdp2_full_shard.yaml for several"
+        )
     if processes % machines:
         problems.append(
             f"NUM_PROCESSES={processes} is not a multiple of NUM_MACHINES={machines}: every machine runs the same "

@@ -38,6 +38,7 @@ from finetune.checkpoint import (
     check_resume_base,
     check_resume_kind,
     check_resume_objective,
+    check_resume_strategy,
     checkpoints_root,
     finish_checkpoint,
     load_checkpoint,
@@ -52,6 +53,7 @@ from finetune.distributed import (
     PreemptionSignals,
     broadcast_module_states,
     build_accelerator,
+    fsdp_requested,
     local_params_fingerprint,
     precision_policy,
     rank_zero_loading,
@@ -173,6 +175,7 @@ def preflight(recipe: RecipeConfig) -> Path | None:
         raise FinetuneError("; ".join(problems))
     if resume_from is not None:
         check_resume_kind(resume_from, adapters=recipe.peft is not None)
+        check_resume_strategy(resume_from, fsdp=fsdp_requested())
         check_resume_objective(resume_from, _objective_name(recipe))
         if recipe.peft is not None:
             from finetune.adapters import check_resume_adapters  # imports peft (2 s): adapter runs only

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
-from conftest import CONFIGS, Run, launch, recipe_overrides
+from conftest import CHECKPOINT_SETTINGS, CONFIGS, Run, launch, recipe_overrides
 
 CONFIG_FILES = sorted(CONFIGS.glob("*.yaml"))
 FSDP1_VOCABULARY = (
@@ -46,7 +46,7 @@ def test_configs_cover_the_strategies():
         "fsdp2_offload",
         "fsdp1_full_shard",
         "ddp",
-        "single_process",
+        "single_gpu",
     }
     assert expected <= names
 
@@ -64,14 +64,26 @@ def test_offload_config_trains_on_cpu(tmp_path, demo_assets):
 
 
 @pytest.mark.multiprocess
-def test_single_process_config_trains(tmp_path, demo_assets):
-    run = Run(
-        launch("single_process.yaml", recipe_overrides(demo_assets, tmp_path / "out"), num_processes=1),
-        tmp_path / "out",
-    )
+def test_single_gpu_config_trains_as_fsdp2_on_one_process_and_refuses_its_checkpoints(
+    tmp_path, demo_assets, one_process_run
+):
+    """single_gpu.yaml trains a plain module (no FSDP): the same losses as FSDP2 on one process (fp32, 1e-6);
+    each refuses to resume the other's checkpoints, naming the config that can, before anything is written."""
+    from test_errors import assert_user_error
+
+    settings = {**CHECKPOINT_SETTINGS, "train.micro_batch_size": 16}  # one_process_run's
+    out = tmp_path / "out"
+    run = Run(launch("single_gpu.yaml", recipe_overrides(demo_assets, out, **settings), num_processes=1), out)
     assert run.result.returncode == 0, run.result.stderr[-4000:]
     assert "strategy: single process (no sharding)" in run.log
     (report,) = run.rank_reports()
     assert report["num_processes"] == 1 and report["numel_local"] == report["numel_global"]
-    losses = run.losses()
-    assert max(losses[-3:]) < 0.75 * losses[0]
+    assert run.losses() == pytest.approx(one_process_run.losses(), abs=1e-6)
+    more = {**settings, "train.max_steps": 10, "checkpoint.resume": "auto"}
+    for config, source, fragment in [
+        ("single_gpu.yaml", one_process_run.output_dir, "was written under FSDP, and this launch has no FSDP"),
+        ("fsdp2_full_shard.yaml", out, "was written without FSDP (one process or DDP), and this launch shards"),
+    ]:
+        before = sorted(p.name for p in (source / "checkpoints").iterdir())
+        assert_user_error(launch(config, recipe_overrides(demo_assets, source, **more), num_processes=1), fragment)
+        assert sorted(p.name for p in (source / "checkpoints").iterdir()) == before

@@ -18,7 +18,7 @@ SPLITS = {
     "shard_grad_op_2x2x2": ("fsdp2_shard_grad_op.yaml", 2, 2, 2),
     "fsdp1_4x1x2": ("fsdp1_full_shard.yaml", 2, 4, 1),
     "ddp_2x2x2": ("ddp.yaml", 2, 2, 2),
-    "single_4x2x1": ("single_process.yaml", 1, 4, 2),
+    "single_4x2x1": ("single_gpu.yaml", 1, 4, 2),
 }
 
 
@@ -50,7 +50,7 @@ def max_difference(a: dict, b: dict) -> float:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, demo_assets) -> dict:
     """One process, the whole global batch in one micro-batch."""
-    return train_split(tmp_path_factory, demo_assets, "ref", "single_process.yaml", 1, 8, 1)
+    return train_split(tmp_path_factory, demo_assets, "ref", "single_gpu.yaml", 1, 8, 1)
 
 
 @pytest.mark.parametrize("name", SPLITS)
@@ -66,7 +66,7 @@ def test_split_matches_single_process(name, reference, tmp_path_factory, demo_as
 
 def test_padded_batches_match_across_processes(tmp_path_factory, demo_assets):
     """Variable-length padded batches: per-token normalization must not depend on how rows are grouped."""
-    single = train_split(tmp_path_factory, demo_assets, "pad1", "single_process.yaml", 1, 8, 1, packing=False)
+    single = train_split(tmp_path_factory, demo_assets, "pad1", "single_gpu.yaml", 1, 8, 1, packing=False)
     ddp = train_split(tmp_path_factory, demo_assets, "pad2", "ddp.yaml", 2, 2, 2, packing=False)
     difference = max_difference(single, ddp)
     print(f"padded 8x1x1 vs ddp 2x2x2: max |w - w_ref| = {difference:.2e}")

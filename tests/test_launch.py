@@ -63,6 +63,8 @@ def test_make_train_stops_before_launching_a_multi_node_run_without_address():
             r"accelerate launch would refuse .*num_procesess",
         ),
         ("model:\n  name_or_path: x\ndata: {}\n", "is not an accelerate config \\(no distributed_type\\)"),
+        # one process: accelerate would start one and drop the others without a word
+        ("distributed_type: 'NO'\nnum_processes: 2\n", "runs one process \\(distributed_type: NO\\), not NUM_PROC"),
     ],
 )
 def test_check_refuses_what_the_launcher_refuses(tmp_path, config, message):
