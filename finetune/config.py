@@ -130,6 +130,11 @@ class DataConfig:
     """Concatenate samples into rows of `max_length` tokens (attention and positions do not cross
     samples); False pads each batch to its longest sample."""
 
+    packing_window: int | None = None
+    """Samples packed together: each window of the shuffled data is packed best-fit decreasing on its own
+    (the same rows on any process count). Unset: 2,000, which fills rows to about 98% on chat-like lengths;
+    larger windows fill a little fuller for more CPU time. At most the training data's sample count."""
+
     completion_only_loss: bool = True
     """Train on assistant/completion tokens only; False trains on prompts too. Ignored for text."""
 
@@ -177,6 +182,10 @@ class DataConfig:
             )
         if self.eval_samples is not None and self.eval_path is None and self.eval_fraction == 0:
             errors.append("data.eval_samples takes a subset of the eval data, but there is none: set data.eval_path")
+        if self.packing_window is not None and self.packing_window < 1:
+            errors.append(f"data.packing_window must be >= 1 sample, got {self.packing_window}")
+        if self.packing_window is not None and not self.packing:
+            errors.append("data.packing_window sets how samples are packed, but data.packing is false; drop one")
         if not self.completion_only_loss and not self.train_on_reasoning:
             errors.append(
                 "data.train_on_reasoning=false keeps reasoning out of the loss, but data.completion_only_loss=false "
@@ -509,6 +518,11 @@ class RecipeConfig:
         if self.preference is not None and self.data.format not in ("auto", "preference"):
             errors.append(
                 f"a preference section trains on pairs, not data.format={self.data.format}; set data.format=auto"
+            )
+        if self.preference is not None and self.data.packing_window is not None:
+            errors.append(
+                "data.packing_window applies to supervised fine-tuning; a preference run packs each micro-batch's "
+                "pairs together (first fit), so remove it"
             )
         return errors
 

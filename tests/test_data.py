@@ -463,3 +463,33 @@ def test_invalid_samples_are_dropped_and_counted_or_stop_the_run_past_one_percen
     many = datasets.Dataset.from_list([*good[:100], bad, bad])
     with pytest.raises(FinetuneError, match=r"2 of its 102 samples are invalid, more than data.invalid=drop leaves"):
         prepare_split([(SourceConfig(path="many.jsonl"), many)], tokenizer, cfg, seed=0)
+
+
+def test_packing_window_is_how_many_samples_are_packed_together(tmp_path, tokenizer):
+    """A window of the whole data packs at least as full as windows of a few samples (each window's last row is
+    left part-empty); the same window gives the same rows; a window past the data, or one with packing off or on a
+    preference run, is refused with the fix."""
+    from conftest import DEMO_RECIPE
+
+    from finetune.config import load_recipe
+
+    write_chats(tmp_path / "train.jsonl", 120)
+    cfg = DataConfig(train_path=str(tmp_path / "train.jsonl"), max_length=64)
+    rows = {window: built(DataConfig(**{**cfg.__dict__, "packing_window": window}), tokenizer).train_stats.num_rows
+            for window in (5, 120)}  # fmt: skip
+    assert rows[120] < rows[5]
+    small = DataConfig(**{**cfg.__dict__, "packing_window": 5})
+    assert (
+        built(small, tokenizer).train_loader.dataset["input_ids"]
+        == built(small, tokenizer).train_loader.dataset["input_ids"]
+    )
+    with pytest.raises(FinetuneError, match="data.packing_window=121 is more than the 120 training samples"):
+        built(DataConfig(**{**cfg.__dict__, "packing_window": 121}), tokenizer)
+    assert (
+        "data.packing_window must be >= 1 sample, got 0"
+        in DataConfig(**{**cfg.__dict__, "packing_window": 0}).errors()
+    )
+    unpacked = DataConfig(**{**cfg.__dict__, "packing_window": 50, "packing": False})
+    assert any("but data.packing is false" in e for e in unpacked.errors())
+    with pytest.raises(FinetuneError, match="data.packing_window applies to supervised fine-tuning"):
+        load_recipe(DEMO_RECIPE, ["preference.loss=dpo", "data.format=auto", "data.packing_window=10"])

@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 from finetune.chatter import no_datasets_bars
 from finetune.config import DataConfig, SourceConfig
 from finetune.data.chat import encode_chats
-from finetune.data.pack import collate_packed, collate_padded, pack
+from finetune.data.pack import WINDOW, collate_packed, collate_padded, pack
 from finetune.data.preference import PairStats, collate_pairs, prepare_pairs
 from finetune.data.sources import check_sources, hold_out, load_source, load_split, numbered, take_fraction
 from finetune.data.tokenize import IGNORE, detect_format, tokenize
@@ -115,7 +115,13 @@ def prepare_split(
             f"none of the {len(every):,} samples has a token to train on (no {trained} within data.max_length="
             f"{cfg.max_length} tokens); check the data, or raise data.max_length"
         )
-    rows = pack(kept.shuffle(seed=seed), cfg.max_length, tokenizer.pad_token_id) if cfg.packing else kept
+    window = cfg.packing_window or WINDOW
+    if cfg.packing_window is not None and cfg.packing_window > len(kept) and not evaluation:
+        raise FinetuneError(
+            f"data.packing_window={cfg.packing_window:,} is more than the {len(kept):,} training samples, so no "
+            f"window of that size exists; set it to at most {len(kept):,}, or leave it out"
+        )
+    rows = pack(kept.shuffle(seed=seed), cfg.max_length, tokenizer.pad_token_id, window) if cfg.packing else kept
     per_source = tuple((source, _stats(t, cfg)) for source, t in tokenized) if len(tokenized) > 1 else ()
     row_length = cfg.max_length if cfg.packing else 0
     stats = dataclasses.replace(_stats(every, cfg), num_rows=len(rows), sources=per_source, row_length=row_length)

@@ -18,7 +18,7 @@ the same on any process count and costs no pass over the whole data; 2,000 sampl
 enough choice to fill rows to about 98% on chat-like lengths (`make bench`, row "packing")."""
 
 
-def pack(dataset: datasets.Dataset, max_length: int, pad_id: int) -> datasets.Dataset:
+def pack(dataset: datasets.Dataset, max_length: int, pad_id: int, window: int = WINDOW) -> datasets.Dataset:
     """Concatenate samples into rows of exactly `max_length` tokens, best-fit decreasing within each window:
     the longest samples are placed first, each into the row it leaves the least room in (a new row when none
     has room), so short samples fill the gaps the long ones leave. Deterministic for a given order.
@@ -30,7 +30,7 @@ def pack(dataset: datasets.Dataset, max_length: int, pad_id: int) -> datasets.Da
         return dataset.map(
             functools.partial(_pack_batch, max_length=max_length, pad_id=pad_id),
             batched=True,
-            batch_size=WINDOW,
+            batch_size=window,
             remove_columns=dataset.column_names,
             desc="packing",
         )
