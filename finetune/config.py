@@ -75,8 +75,9 @@ class SourceConfig:
     subset: str | None = None
     """Configuration (subset) of a hub dataset that has several, e.g. math of open-r1/Mixture-of-Thoughts."""
 
-    columns: dict[str, str] = field(default_factory=dict)
-    """The source's column for each column finetune reads, e.g. {messages: conversations}."""
+    columns: dict[str, str | None] = field(default_factory=dict)
+    """The source's column for each column finetune reads, e.g. {messages: conversations}; null leaves that
+    column out where the source has it, e.g. {tools: null} for data whose system text already lists its tools."""
 
     fraction: float = 1.0
     """How much of the source goes into the mixture: 0.25 takes a seeded quarter of its samples, 2
@@ -658,9 +659,13 @@ def _coerce(value: Any, hint: Any, name: str, errors: list[str]) -> Any:
         errors.append(f"{name} must be a list of {args[0].__name__}, got {value!r}")
         return _INVALID
     if origin is dict:
-        if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        nullable = type(None) in typing.get_args(args[1])  # dict[str, str | None]: null leaves a column out
+        if isinstance(value, dict) and all(
+            isinstance(k, str) and (isinstance(v, str) or (v is None and nullable)) for k, v in value.items()
+        ):
             return value
-        errors.append(f"{name} must be a mapping of names to names, got {value!r}")
+        names = "names or null" if nullable else "names"
+        errors.append(f"{name} must be a mapping of names to {names}, got {value!r}")
         return _INVALID
     if hint is bool:
         if isinstance(value, bool):

@@ -621,3 +621,37 @@ def test_a_replys_first_token_that_starts_with_the_templates_space_is_trained(ki
     assert trained[first] and not trained[first - 1]  # ... and is the reply's; [/TOOL_RESULTS] is not
     assert all(trained[first : len(ids)])  # every reply token through </s>
     assert tokenizer.decode([i for i, t in zip(ids, trained, strict=True) if t]).endswith("It is sunny.</s>")
+
+
+def test_hermes_function_calling_data_renders_one_schema_block_and_one_result_wrapper(base_tokenizer, tmp_path):
+    """NousResearch/hermes-function-calling-v1's shape: ShareGPT turns whose system text lists the tools in a
+    <tools> block, the same schemas again in a `tools` column, tool results already wrapped in <tool_response>.
+    With `columns: {tools: null}` (the recipe's) the template adds no second schema block, and a result wrapped
+    in the data is not wrapped again by a template that wraps results itself: the model sees what it will at
+    inference."""
+    from finetune.config import SourceConfig
+    from finetune.data.sources import load_source
+
+    tokenizer = family_tokenizer(base_tokenizer, "tools")
+    schema = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    conversation = [
+        {"from": "system", "value": f"You may call functions. <tools> {json.dumps(schema)} </tools>"},
+        {"from": "human", "value": "Weather in Paris?"}, {"from": "gpt", "value": call},
+        {"from": "tool", "value": '<tool_response>\n{"sky": "sunny"}\n</tool_response>'},
+        {"from": "gpt", "value": "It is sunny."},
+    ]  # fmt: skip
+    path = tmp_path / "hermes.jsonl"
+    path.write_text(json.dumps({"id": "a", "conversations": conversation, "tools": json.dumps([schema])}) + "\n")
+    texts = {}
+    for name, columns in {"as_is": {"messages": "conversations"},
+                          "recipe": {"messages": "conversations", "tools": None}}.items():  # fmt: skip
+        data = load_source(SourceConfig(path=str(path), columns=columns))
+        tools = data["tools"] if "tools" in data.column_names else None
+        ((ids, trained),) = encode_chats(data["messages"], tokenizer, True, tools=tools)
+        texts[name] = tokenizer.decode(ids)
+        assert tokenizer.decode([i for i, t in zip(ids, trained, strict=True) if t]).endswith("It is sunny.<|im_end|>")
+    assert texts["as_is"].count("get_weather") == 3  # the system text's schema, the template's, the call
+    assert texts["recipe"].count("get_weather") == 2 and "# Tools" not in texts["recipe"]
+    for text in texts.values():
+        assert text.count("<tool_response>") == 1 and '<tool_response>\n{"sky": "sunny"}\n</tool_response>' in text

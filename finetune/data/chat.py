@@ -309,12 +309,15 @@ def _check(
     """Each conversation checked and normalized (`chat_messages`), with its tools parsed."""
     template = tokenizer.chat_template or ""
     knows_reasoning = "reasoning_content" in template
+    wraps_tool_results = _TOOL_RESPONSE[0] in template
     checked, parsed, roles, contents, untrained = [], [], [], [], []
     for messages, schemas, index in zip(conversations, tools, indices, strict=True):
         plain = _roles_and_texts(messages)
         skipped: frozenset[int] = frozenset()
         if plain is None:
             messages = chat_messages(messages, index)
+            if wraps_tool_results:
+                messages = [_unwrapped_tool_result(message) for message in messages]
             messages, skipped = _weights(messages, index)
             _check_rendered_fields(messages, template, index)
             if not knows_reasoning:
@@ -338,6 +341,23 @@ def _check(
         contents.append(plain[1] if plain is not None else None)
         untrained.append(skipped)
     return _Batch(tokenizer, checked, parsed, indices, roles, contents, untrained)
+
+
+_TOOL_RESPONSE = ("<tool_response>", "</tool_response>")
+
+
+def _unwrapped_tool_result(message: dict[str, Any]) -> dict[str, Any]:
+    """A tool result that the data wraps in the `<tool_response>` tags the template writes around every tool
+    result itself (Hermes function-calling data on Qwen's and Hermes' templates) without them: the model sees
+    one wrapper, as at inference, not two."""
+    content = message.get("content")
+    if message.get("role") != "tool" or not isinstance(content, str):
+        return message
+    opening, closing = _TOOL_RESPONSE
+    inner = content.strip()
+    if not (inner.startswith(opening) and inner.endswith(closing)):
+        return message
+    return {**message, "content": inner[len(opening) : -len(closing)].strip("\n")}
 
 
 def _weights(messages: list[dict[str, Any]], index: int) -> tuple[list[dict[str, Any]], frozenset[int]]:

@@ -93,13 +93,16 @@ def load_source(source: SourceConfig) -> datasets.Dataset:
     """One source of the training data, its columns renamed to finetune's (`source.columns`), each sample
     numbered by its position in the file (`SAMPLE_INDEX`)."""
     dataset = numbered(load_split(source.path, source.split, source.subset))
-    missing = [theirs for theirs in source.columns.values() if theirs not in dataset.column_names]
+    left_out = [ours for ours, theirs in source.columns.items() if theirs is None]
+    wanted = [theirs for theirs in source.columns.values() if theirs is not None]
+    missing = [column for column in wanted if column not in dataset.column_names]
     if missing:
         raise FinetuneError(
             f"data.train source {source.path} has no column {', '.join(missing)} (its columns: "
             f"{', '.join(c for c in dataset.column_names if c != SAMPLE_INDEX)}); fix its columns mapping"
         )
-    renamed = {theirs: ours for ours, theirs in source.columns.items() if theirs != ours}
+    dataset = dataset.remove_columns([column for column in left_out if column in dataset.column_names])
+    renamed = {theirs: ours for ours, theirs in source.columns.items() if theirs is not None and theirs != ours}
     return dataset.select_columns(
         [c for c in dataset.column_names if c in renamed or c not in renamed.values()]
     ).rename_columns(renamed)
