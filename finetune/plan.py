@@ -21,7 +21,7 @@ loading places the quantized model on the process's GPU, and accelerate shards i
 With CPU offload, parameters, gradients and optimizer state live in host RAM instead. The
 parameter, gradient and optimizer figures are exactly what `finetune.memory` measures on the local
 tensors (up to FSDP's padding of uneven shards); the activation estimate's error against a measured
-CPU run is stated in the README.
+CPU run is stated in docs/training.md.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import re
 from conftest import REPO
 
 README = (REPO / "README.md").read_text()
+DOCS = sorted((REPO / "docs").glob("*.md"))
 
 
 def test_readme_starts_with_the_two_setup_commands():
@@ -22,13 +23,24 @@ def test_ci_runs_the_readme_test_command():
 
 def test_make_targets_in_readme_exist():
     makefile = (REPO / "Makefile").read_text()
-    for target in set(re.findall(r"`make ([a-z-]+)`", README)) | {"demo", "test"}:
+    named = README + "".join(p.read_text() for p in DOCS)
+    for target in set(re.findall(r"`make ([a-z-]+)`", named)) | {"demo", "test"}:
         assert re.search(rf"^{target}:", makefile, re.MULTILINE), target
 
 
+def test_the_readme_is_a_landing_page_that_links_every_doc():
+    """What a first visit needs fits in about 200 lines; the reference is in docs/, each page linked from it."""
+    assert len(README.splitlines()) <= 200
+    linked = set(re.findall(r"\]\((docs/[\w-]+\.md)\)", README))
+    assert linked == {f"docs/{p.name}" for p in DOCS}
+    for page in DOCS:  # links between pages resolve
+        for target in re.findall(r"\]\(([\w-]+\.md)\)", page.read_text()):
+            assert (page.parent / target).is_file(), (page.name, target)
+
+
 def test_every_path_named_in_the_docs_exists():
-    docs = README + "".join(p.read_text() for p in (REPO / "recipes").rglob("*.yaml"))
-    paths = set(re.findall(r"\b((?:recipes|accelerate_configs|finetune|tests|\.ci)/[\w./-]*\w)", docs))
+    docs = README + "".join(p.read_text() for p in [*DOCS, *(REPO / "recipes").rglob("*.yaml")])
+    paths = set(re.findall(r"\b((?:recipes|accelerate_configs|finetune|tests|bench|docs|\.ci)/[\w./-]*\w)", docs))
     assert paths, "no paths found"
     missing = [p for p in sorted(paths) if not (REPO / p).exists()]
     assert not missing

@@ -52,7 +52,7 @@ def test_plan_matches_the_measured_state_bytes(run_name, config, request):
 
 
 def test_activation_estimate_against_the_measured_bytes(fsdp2_run):
-    """The first micro-batch of the packed fp32 run: 8 rows x 128 tokens. Measured error is stated in the README."""
+    """The first micro-batch of the packed fp32 run: 8 rows x 128 tokens (measured error: docs/training.md)."""
     shape, recipe, _ = planned(fsdp2_run, "fsdp2_full_shard.yaml")
     tokens = recipe.train.micro_batch_size * recipe.data.max_length
     estimate_bytes = activation_bytes(shape, tokens, 4, checkpointing="none")
