@@ -356,6 +356,14 @@ def build_objective(
     return objective, functools.partial(write_reference, output_file, table, key)
 
 
+def _mesh_shape(model: torch.nn.Module) -> str:
+    """' over a 2 x 2 mesh': the device mesh a sharded model's parameters live on, for the log ('' unsharded)."""
+    parameter = next(model.parameters())
+    if not isinstance(parameter, DTensor):
+        return ""
+    return " over a " + " x ".join(map(str, parameter.device_mesh.shape)) + " mesh"
+
+
 def _reference_model(recipe: RecipeConfig, accelerator: Accelerator) -> torch.nn.Module:
     """preference.reference=model: the reference model, frozen, without dropout, in eval mode, in the policy's
     parameter dtype and attention, sharded as the policy is."""
@@ -365,8 +373,13 @@ def _reference_model(recipe: RecipeConfig, accelerator: Accelerator) -> torch.nn
     disable_dropout(reference)
     route_in_fp32(reference)  # as the policy routes (a dense model has no routers)
     reference.eval()
-    shard_frozen(reference, getattr(accelerator.state, "fsdp_plugin", None), accelerator.device)
-    accelerator.print(f"reference: {cfg.name_or_path}, frozen, sharded as the policy (preference.reference=model)")
+    mesh = getattr(accelerator, "torch_device_mesh", None)  # hybrid sharding's 2-D mesh; None: the whole world
+    fsdp_mesh = mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None
+    shard_frozen(reference, getattr(accelerator.state, "fsdp_plugin", None), accelerator.device, fsdp_mesh)
+    accelerator.print(
+        f"reference: {cfg.name_or_path}, frozen, sharded as the policy{_mesh_shape(reference)} "
+        "(preference.reference=model)"
+    )
     return reference
 
 

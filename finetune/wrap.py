@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from accelerate.utils import FullyShardedDataParallelPlugin
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 from torch.distributed.tensor import DTensor
@@ -177,12 +178,18 @@ def _range(sizes: list[int]) -> str:
     return f"{sizes[0]:,}" if len(set(sizes)) == 1 else f"{min(sizes):,}-{max(sizes):,}"
 
 
-def shard_frozen(model: torch.nn.Module, like: FullyShardedDataParallelPlugin | None, device: torch.device) -> None:
+def shard_frozen(
+    model: torch.nn.Module,
+    like: FullyShardedDataParallelPlugin | None,
+    device: torch.device,
+    mesh: DeviceMesh | None = None,
+) -> None:
     """Shard a frozen model that only runs forwards (a preference run's reference) as training shards the
     policy: one FSDP2 unit per wrapped layer class, then the root, with the run's mixed-precision policy and
     resharding after every forward. accelerate prepares only models that train (with an optimizer) under
     FSDP2, and sharding the reference at the root alone would gather it whole for every forward. Without FSDP
-    (DDP, one process) the model is simply moved to the device."""
+    (DDP, one process) the model is simply moved to the device. `mesh`: the policy's FSDP mesh (hybrid
+    sharding: replicas x shard groups), so the reference shards within the same groups; None for the world."""
     model.to(device)
     if like is None or like.fsdp_version != 2:
         return
@@ -191,6 +198,8 @@ def shard_frozen(model: torch.nn.Module, like: FullyShardedDataParallelPlugin | 
     classes = set(wrap_classes(like.transformer_cls_names_to_wrap or [], model))
     policy = like.mixed_precision_policy
     options = {"mp_policy": policy} if policy is not None and not isinstance(policy, dict) else {}
+    if mesh is not None:
+        options["mesh"] = mesh
     for module in model.modules():
         if type(module).__name__ in classes:
             fully_shard(module, reshard_after_forward=True, **options)

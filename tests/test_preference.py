@@ -220,10 +220,13 @@ DPO = {
 }  # fmt: skip
 
 
-def preference_run(tmp_path, assets, config="fsdp2_full_shard.yaml", processes=2, **extra) -> Run:
+def preference_run(
+    tmp_path, assets, config="fsdp2_full_shard.yaml", processes=2, launch_args: tuple[str, ...] = (), **extra
+) -> Run:
     output_dir = tmp_path / "out"
     values = {key: str(value).format(assets=assets) for key, value in {**DPO, **extra}.items()}
-    result = launch(config, recipe_overrides(assets, output_dir, **values), num_processes=processes)
+    overrides = recipe_overrides(assets, output_dir, **values)
+    result = launch(config, overrides, num_processes=processes, launch_args=launch_args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return Run(result, output_dir)
 
@@ -348,11 +351,32 @@ def test_a_reference_model_gives_the_precomputed_references_losses(dpo_run, demo
         "preference.reference": "model", "preference.reference_model": demo_assets / "base",
         "train.eval_every_steps": 0, "checkpoint.save_every_steps": 0,
     })  # fmt: skip
-    assert "frozen, sharded as the policy (preference.reference=model)" in online.log
+    assert "frozen, sharded as the policy over a 2 mesh (preference.reference=model)" in online.log
     assert "precomputed" not in online.log and not (online.output_dir / "reference_logps.safetensors").exists()
     ours = {m["step"]: m["loss"] for m in online.metrics() if "loss" in m}
     theirs = {m["step"]: m["loss"] for m in dpo_run.metrics() if "loss" in m}
     assert sorted(ours) == sorted(theirs) and ours[1] == pytest.approx(0.693147, abs=1e-6)
+    for step, loss in ours.items():
+        assert loss == pytest.approx(theirs[step], abs=1e-5), step
+
+
+@pytest.mark.multiprocess
+def test_under_hybrid_sharding_the_reference_model_shards_within_the_policys_groups(dpo_run, demo_assets, tmp_path):
+    """4 processes as 2 replicas x 2-process shard groups: the reference is sharded on the policy's 2-D mesh (not
+    over all 4 ranks, which would make its every all-gather cross the replicas), and the run trains as the
+    2-process one with the precomputed reference (the same 8 pairs a step)."""
+    hybrid = ("--num_machines", "1", "--parallelism_config_dp_shard_size", "2", "--fsdp_activation_checkpointing",
+              "false")  # fmt: skip
+    online = preference_run(tmp_path, demo_assets, "hybrid_shard.yaml", 4, hybrid, **{
+        "preference.reference": "model", "preference.reference_model": demo_assets / "base",
+        "train.micro_batch_size": 2, "train.eval_every_steps": 0, "checkpoint.save_every_steps": 0,
+        "output.export": "false",
+    })  # fmt: skip
+    assert "hybrid: 2 replicas x 2-process shard groups" in online.log
+    assert "frozen, sharded as the policy over a 2 x 2 mesh" in online.log
+    ours = {m["step"]: m["loss"] for m in online.metrics() if "loss" in m}
+    theirs = {m["step"]: m["loss"] for m in dpo_run.metrics() if "loss" in m}
+    assert ours[1] == pytest.approx(0.693147, abs=1e-6)
     for step, loss in ours.items():
         assert loss == pytest.approx(theirs[step], abs=1e-5), step
 
