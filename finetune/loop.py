@@ -53,7 +53,6 @@ from finetune.distributed import (
     PreemptionSignals,
     broadcast_module_states,
     build_accelerator,
-    fsdp_requested,
     local_params_fingerprint,
     precision_policy,
     rank_zero_loading,
@@ -175,7 +174,6 @@ def preflight(recipe: RecipeConfig) -> Path | None:
         raise FinetuneError("; ".join(problems))
     if resume_from is not None:
         check_resume_kind(resume_from, adapters=recipe.peft is not None)
-        check_resume_strategy(resume_from, fsdp=fsdp_requested())
         check_resume_objective(resume_from, _objective_name(recipe))
         if recipe.peft is not None:
             from finetune.adapters import check_resume_adapters  # imports peft (2 s): adapter runs only
@@ -293,6 +291,8 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
     )  # fmt: skip
     start = TrainerState(0, 0, 0, accelerator.num_processes, recipe.model.name_or_path)
     if resume_from is not None:
+        # The launch's strategy is known for sure only here (preflight runs outside any launch too).
+        check_resume_strategy(resume_from, fsdp=accelerator.distributed_type == DistributedType.FSDP)
         start = load_checkpoint(resume_from, recipe, load_state)
         scheduler.load_state_dict(start.scheduler)
     # Everything is validated, built and restored: only now is the output dir written to.
