@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 
 from finetune.checkpoint import ADAPTER_RECORD, ADAPTER_STATE, MODEL_FILES
 from finetune.config import PeftConfig
+from finetune.distributed import compute_dtype
 from finetune.errors import FinetuneError, first_line
 from finetune.family import experts_of, is_routed_expert
 
@@ -162,7 +163,7 @@ def storage_dtype(model_dtype: torch.dtype, mixed_precision: str) -> torch.dtype
     config's mixed precision, else the model's). FSDP's mixed precision casts every parameter to the compute
     dtype; packed bytes already in it are left as they are, where a cast of them would scramble the weights.
     The rest of the model keeps `model.dtype` (fp32 master weights under bf16 compute, say)."""
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, model_dtype)
+    return compute_dtype(mixed_precision, model_dtype)
 
 
 def quantization_config(dtype: torch.dtype):

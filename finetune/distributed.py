@@ -212,6 +212,11 @@ def _check_fsdp1_launch(on_cpu: bool) -> None:
 _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def compute_dtype(mixed_precision: str, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the matmuls run in: the accelerate config's mixed precision, else the parameters' own."""
+    return _COMPUTE_DTYPES.get(str(mixed_precision), param_dtype)
+
+
 def _mixed_precision_policy(fsdp_version: int, mixed_precision: str, param_dtype: torch.dtype) -> Any:
     """fp32 master parameters + low-precision compute: compute in bf16/fp16, reduce gradients in fp32.
 

@@ -396,10 +396,8 @@ def _export_names(
 
 
 def _model_tensor_names(model_files: Path) -> list[list[str]]:
-    """The `tensor_names` of the model `model_files`/config.json describes, built on the meta device.
-
-    transformers is imported here, not at the top: with its model classes it takes over a second,
-    which every export of a checkpoint that carries its names is spared."""
+    """The `tensor_names` of the model `model_files`/config.json describes, built on the meta device, for a
+    checkpoint that does not carry its names (written before finetune saved them)."""
     from transformers import AutoConfig
 
     from finetune.model import meta_model

@@ -53,6 +53,7 @@ from finetune.distributed import (
     PreemptionSignals,
     broadcast_module_states,
     build_accelerator,
+    compute_dtype,
     local_params_fingerprint,
     precision_policy,
     rank_zero_loading,
@@ -101,8 +102,6 @@ from finetune.routing import check_experts_recipe, route_in_fp32, set_up_routing
 from finetune.wrap import format_wrap_plan, fsdp_units, reshard, shard_frozen, validate_wrap_policy
 
 logger = logging.getLogger("finetune")
-# The dtype of the matmuls under each accelerate mixed-precision setting ("no": the parameters' dtype).
-_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 Batch = dict[str, torch.Tensor]
 
@@ -278,9 +277,9 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
         save_state = _async_saver(accelerator, model, optimizer, adapters is not None)
     loss_path, loss_line = choose_loss_path(recipe.train.loss, accelerator.unwrap_model(model))
     # Before any forward (a precomputed reference's too): a mixture of experts routes in fp32 from here on.
-    compute_dtype = _COMPUTE_DTYPES.get(str(accelerator.mixed_precision), DTYPES[recipe.model.dtype])
+    compute = compute_dtype(accelerator.mixed_precision, DTYPES[recipe.model.dtype])
     balancing, routing_line = set_up_routing(
-        accelerator.unwrap_model(model), recipe.train.router_aux_loss_coef, compute_dtype
+        accelerator.unwrap_model(model), recipe.train.router_aux_loss_coef, compute
     )
     objective, write_reference = build_objective(recipe, data, model, accelerator, loss_path, adapters, resume_from)
     if balancing is not None:
@@ -673,9 +672,9 @@ def _attention_line(accelerator: Accelerator, recipe: RecipeConfig, model: torch
     if implementation != attention.NAME:
         packed = " (packed rows: block-causal mask; model.attn_implementation=varlen passes boundaries)"
         return f"attention: {implementation}" + (packed if recipe.data.packing and implementation == "sdpa" else "")
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(accelerator.mixed_precision))
-    compute = half or DTYPES[recipe.model.dtype]
-    kernel = attention.kernel(accelerator.device, compute)
+    kernel = attention.kernel(
+        accelerator.device, compute_dtype(accelerator.mixed_precision, DTYPES[recipe.model.dtype])
+    )
     return f"attention: varlen, packed rows by their sample boundaries ({kernel})"
 
 

@@ -76,11 +76,10 @@ def set_up_routing(
 ) -> tuple[BalancingLoss | None, str | None]:
     """Route `model`'s experts in fp32 and record its routers for the balancing loss (None: off), with the log line;
     nothing for a dense model. Call on the model as prepared (the routers are found through any wrapper)."""
+    coefficient = balancing_coefficient(model.config, requested_coefficient)  # refuses one a model cannot take
     experts = experts_of(model.config)
     if experts is None:
-        balancing_coefficient(model.config, requested_coefficient)  # refuses a coefficient for a dense model
         return None, None
-    coefficient = balancing_coefficient(model.config, requested_coefficient)
     implementation = getattr(model.config.get_text_config(), "_experts_implementation", None) or "eager"
     if implementation == "grouped_mm":
         check_grouped_mm_shapes(model, compute_dtype)
