@@ -1,6 +1,7 @@
 """Preference tuning's pieces in one process: pairs tokenized through the chat path, packed or padded into
 one forward, per-sequence log-probabilities from the chunked head equal to the full logits', and each loss
-equal to what TRL computes for the same log-probabilities."""
+equal to what TRL computes for the same log-probabilities; TRL's DPOTrainer, end to end, as the oracle of the
+log-probabilities and losses of our tokenized pairs, and of where its own tokenization trains other tokens."""
 
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ from finetune.objectives.preference import pair_losses
 @pytest.fixture(scope="module")
 def tokenizer(demo_assets):
     return AutoTokenizer.from_pretrained(demo_assets / "base")
+
+
+@pytest.fixture(scope="module")
+def base_tokenizer(tokenizer):
+    return tokenizer
 
 
 def turn(role: str, content: str) -> dict:
@@ -208,6 +214,115 @@ def test_orpo_equals_trls():
     # TRL's loss is its NLL term minus the odds-ratio term; the NLL of each pair is its chosen reply's mean
     torch.testing.assert_close(ours.losses, -chosen / ct - ratio_losses, atol=1e-6, rtol=0)
     torch.testing.assert_close(ours.chosen_rewards, trl_chosen)
+
+
+# ---- TRL's DPOTrainer as the oracle, end to end: tokenization, per-sequence log-probs, losses.
+
+ORACLE_PAIRS = [
+    {"prompt": [turn("user", "reverse: 1 2 3")], "chosen": [turn("assistant", "3 2 1")],
+     "rejected": [turn("assistant", "3 1 2")]},
+    {"prompt": [turn("system", "Be brief."), turn("user", "reverse: 4 5"), turn("assistant", "5 4"),
+                turn("user", "and 6 7 8")],
+     "chosen": [turn("assistant", "8 7 6")], "rejected": [turn("assistant", "8 6 7 6")]},
+]  # fmt: skip
+
+
+def trl_dpo(tokenizer, pairs: datasets.Dataset, loss_type: str):
+    """TRL's DPOTrainer on a tiny Llama over `tokenizer`'s vocabulary, with a reference perturbed away from the
+    policy (so the losses are not all ln 2)."""
+    from trl import DPOConfig, DPOTrainer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=256)  # fmt: skip
+    policy = LlamaForCausalLM(config)
+    reference = copy.deepcopy(policy)
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    args = DPOConfig(output_dir="unused", per_device_train_batch_size=1, use_cpu=True, report_to=[], beta=0.1,
+                     loss_type=[loss_type], max_length=None, bf16=False)  # fmt: skip
+    return DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=pairs, processing_class=tokenizer)
+
+
+def trl_values(trainer, row: dict) -> tuple[float, float, float]:
+    """TRL's summed log-probs of the chosen and rejected completion, and its loss, for one tokenized pair."""
+    trainer.model.train()
+    loss = trainer._compute_loss(trainer.model, trainer.data_collator([row]), return_outputs=False)
+    metrics = trainer._metrics["train"]
+    return metrics["logps/chosen"][-1], metrics["logps/rejected"][-1], loss.item()
+
+
+def as_trl_row(row: dict) -> dict:
+    """Our tokenized pair in TRL's columns: the prompt up to the first trained token, each completion after it."""
+    out = {}
+    for side in ("chosen", "rejected"):
+        ids, targets = row[f"{side}_ids"], row[f"{side}_targets"]
+        first = next(n for n, t in enumerate(targets) if t != IGNORE) + 1  # targets are the next token's
+        assert all(t != IGNORE for t in targets[first - 1 : -1])  # the trained tokens end the sequence
+        out["prompt_ids"], out[f"{side}_ids"] = ids[:first], ids[first:]
+    return out
+
+
+# TRL tokenizes the prompt alone (with the generation prompt) and the whole conversation, and trains whatever
+# follows their common prefix: on these templates that adds what the template writes after the reply's end of
+# turn, or (Mistral's, which moves the system prompt into the last user turn) starts inside the prompt.
+TRL_TRAINS_MORE = {"demo": [], "llama-3.1": [], "qwen-2.5": ["\n"], "gemma-3": ["\n"], "phi-3": ["\n<|endoftext|>"],
+                   "mistral-v0.3": [None]}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(TRL_TRAINS_MORE))
+def test_trl_dpo_trainer_computes_our_log_probs_and_losses_and_shows_where_it_tokenizes_otherwise(
+    base_tokenizer, family
+):
+    from test_chat_templates import family_tokenizer
+
+    tokenizer = base_tokenizer if family == "demo" else family_tokenizer(base_tokenizer, family)
+    data = datasets.Dataset.from_list(ORACLE_PAIRS)
+    ours = pairs_of(ORACLE_PAIRS, tokenizer, max_length=256)[0].to_list()
+    for loss_type, loss in (("sigmoid", "dpo"), ("ipo", "ipo")):
+        trainer = trl_dpo(tokenizer, data, loss_type)
+        batch = collate_pairs(ours, max_length=256, pad_id=0, packing=True)
+        with torch.no_grad():
+            policy, reference = (sequence_logps(m, batch, "chunked") for m in (trainer.model, trainer.ref_model))
+        tokens = torch.tensor([[sum(t != IGNORE for t in row[f"{side}_targets"]) for row in ours]
+                               for side in ("chosen", "rejected")], dtype=torch.float32)  # fmt: skip
+        pairs = len(ours)
+        losses = pair_losses(PreferenceConfig(loss=loss, beta=0.1), policy[:pairs], policy[pairs:], reference[:pairs],
+                             reference[pairs:], tokens[0], tokens[1]).losses  # fmt: skip
+        for n, (row, trl_row) in enumerate(zip(ours, trainer.train_dataset, strict=True)):
+            # Given our tokens, TRL's trainer computes our log-probs and our loss.
+            chosen, rejected, trl_loss = trl_values(trainer, as_trl_row(row))
+            assert chosen == pytest.approx(policy[n].item(), abs=1e-5)
+            assert rejected == pytest.approx(policy[pairs + n].item(), abs=1e-5)
+            assert trl_loss == pytest.approx(losses[n].item(), rel=1e-5, abs=1e-5)  # fp32 (IPO: ~25)
+            if loss != "dpo":
+                continue
+            # Its own tokenization: ours is the rendered conversation, trained from the reply to its end of turn.
+            same_tokens = True
+            for side in ("chosen", "rejected"):
+                ids, targets = row[f"{side}_ids"], row[f"{side}_targets"]
+                rendered = tokenizer.apply_chat_template(ORACLE_PAIRS[n]["prompt"] + ORACLE_PAIRS[n][side],
+                                                         tokenize=False)  # fmt: skip
+                assert ids == tokenizer(rendered, add_special_tokens=False)["input_ids"][: len(ids)]
+                reply = ORACLE_PAIRS[n][side][0]["content"]
+                assert tokenizer.decode([t for t in targets if t != IGNORE]).strip() == reply + tokenizer.decode(
+                    ids[-1]
+                )
+                theirs = trl_row["prompt_ids"] + trl_row[f"{side}_ids"]
+                same_tokens &= theirs == ids and trl_row["prompt_ids"] == as_trl_row(row)["prompt_ids"]
+                [extra] = TRL_TRAINS_MORE[family] or [""]
+                if extra is None:  # Mistral: the two renderings part inside the prompt when there is a system turn
+                    starts_in_prompt = len(trl_row["prompt_ids"]) < len(as_trl_row(row)["prompt_ids"])
+                    assert starts_in_prompt == (n == 1), tokenizer.decode(trl_row[f"{side}_ids"])
+                    continue
+                assert theirs == ids + tokenizer(extra, add_special_tokens=False)["input_ids"]
+            trl_chosen, _, _ = trl_values(trainer, trl_row)
+            assert same_tokens == (not TRL_TRAINS_MORE[family] or family == "mistral-v0.3" and n == 0)
+            if not same_tokens:
+                assert trl_chosen < policy[n].item() - 1e-3  # the extra tokens' log-probs are in TRL's sum
+            else:
+                assert trl_chosen == pytest.approx(policy[n].item(), abs=1e-5)
 
 
 # ---- Real runs: 2 CPU processes through accelerate launch, sharing a few launches between assertions.
