@@ -1,4 +1,5 @@
-"""What the peer scripts (trainer_ddp.py, trl_sft.py) share: writing their step timings and leaving DDP cleanly."""
+"""What the peer scripts (trainer_ddp.py, trl_sft.py, trl_dpo.py) share: writing their step timings, leaving DDP
+cleanly."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import json
 import torch.distributed as dist
 
 
-def write_steps(path: str, step_seconds: list[float], target_tokens: list[int]) -> None:
-    """The wall time and global target tokens of every step, written once (by rank 0)."""
+def write_steps(path: str, step_seconds: list[float], **counts: list[int]) -> None:
+    """The wall time and the global counts (target tokens, pairs) of every step, written once (by rank 0)."""
     if dist.get_rank() == 0:
         with open(path, "w") as file:
-            json.dump({"step_seconds": step_seconds, "target_tokens": target_tokens}, file)
+            json.dump({"step_seconds": step_seconds, **counts}, file)
 
 
 def close_ddp() -> None:

@@ -18,6 +18,7 @@ Comparisons (2 CPU processes over gloo unless stated):
   loss_path        train.loss chunked vs full_logits: step peak, bytes saved for backward, tokens/s
   lora_vs_full     LoRA vs full fine-tuning (FSDP2): step time, rank 0 memory, checkpoint bytes
   trl_lora         target tokens/s of finetune LoRA vs TRL's SFTTrainer + PEFT (packing, padding-free), DDP
+  dpo              DPO pairs/s and peak RSS vs TRL DPOTrainer (full, LoRA); precompute time per epoch
   merge            `finetune export --merge` vs PEFT's merge_and_unload() + save_pretrained: time, peak RSS
 """
 
@@ -29,6 +30,7 @@ import gc
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -59,6 +61,8 @@ SIZES = {
     "tiny": Size("tiny", 128, 4, 384, 4),
     "small": Size("small", 256, 6, 768, 8),
     "medium": Size("medium", 512, 8, 1536, 8),
+    # 85M parameters: enough that weights, gradients and optimizer states outweigh the libraries in a process.
+    "dpo": Size("dpo", 768, 12, 2048, 12),
     # Several hundred million parameters, for the export comparison only (never trained beyond one step).
     "export": Size("export", 1024, 24, 2816, 16, vocab=32000),
 }
@@ -151,6 +155,14 @@ class Bench:
 
     def finetune_run(self, name: str, size: Size, config: str, processes: int = 2, **overrides) -> dict:
         """One `accelerate launch -m finetune train` of the demo recipe on the bench model; its metrics."""
+        command, out = self.finetune_command(name, size, config, processes, **overrides)
+        _run(command)
+        return _metrics(out / "metrics.jsonl")
+
+    def finetune_command(
+        self, name: str, size: Size, config: str, processes: int = 2, **overrides
+    ) -> tuple[list[str], Path]:
+        """The launch of `finetune_run`, and the output folder it writes."""
         out = self.work / "runs" / name
         values = {
             "model.name_or_path": self.model(size),
@@ -173,8 +185,7 @@ class Bench:
             "--num_processes", str(processes), "--mixed_precision", "no", "--main_process_port", str(_free_port()),
             "-m", "finetune", "train", str(RECIPE), *[f"{k}={v}" for k, v in values.items()],
         ]  # fmt: skip
-        _run(command)
-        return _metrics(out / "metrics.jsonl")
+        return command, out
 
     # ---- comparisons --------------------------------------------------------------------------
 
@@ -543,6 +554,68 @@ class Bench:
         )  # fmt: skip
         return ratio | {"trl_version": _version("trl")}
 
+    # ---- preference tuning --------------------------------------------------------------------------
+
+    def dpo(self) -> dict:
+        """DPO (beta 0.1) against TRL's DPOTrainer with its defaults (bench/trl_dpo.py), 2 processes, same model, pairs
+        and micro-batch of 8 pairs: pairs/s and the peak resident memory of the largest process. Full fine-tuning
+        (finetune: FSDP2, packed pairs, reference precomputed; TRL: DDP, padded pairs, a reference model run every
+        step) and LoRA on every linear layer (both: the policy with its adapters off as the reference). Also the
+        precompute pass's time as a fraction of one epoch of the same pairs."""
+        size = SIZES["tiny" if self.quick else "dpo"]
+        model = self.model(size)
+        count, steps = (64, 4) if self.quick else (400, 12)
+        pairs = self.work / f"pairs-{count}.jsonl"
+        lines = (self.work / "demo" / "data" / "pairs_train.jsonl").read_text().splitlines()[:count]
+        pairs.write_text("\n".join(lines) + "\n")
+        dpo = {"data.train_path": pairs, "data.format": "preference", "preference.loss": "dpo", "preference.beta": 0.1,
+               "train.micro_batch_size": 8, "train.max_steps": steps, "optim.lr": "1e-5"}  # fmt: skip
+        runs: dict[str, list[dict]] = {f"{who}_{kind}": [] for kind in ("full", "lora") for who in ("finetune", "trl")}
+        precompute: list[float] = []
+        for repeat in range(self.repeats):
+            for kind, adapters, rank in (("full", {}, 0), ("lora", LORA, LORA["peft.r"])):
+                name = f"dpo-{kind}-{repeat}"
+                command, out = self.finetune_command(name, size, "fsdp2_full_shard.yaml", **dpo, **adapters)
+                log = self.work / "runs" / f"{name}.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                _, peak = _timed_peak_rss(command, stdout=log)
+                entries = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                steps_of = [e for e in entries if "loss" in e]
+                rate = _steady_rate([e["pairs"] for e in steps_of], [e["step_seconds"] for e in steps_of])
+                runs[f"finetune_{kind}"].append({"pairs_per_second": rate, "peak_rss_bytes": peak})
+                if kind == "full":
+                    self.curves.setdefault("finetune DPO (FSDP2)", [e["loss"] for e in steps_of])
+                    said = re.search(r"precomputed with the initial weights in ([0-9.]+) s", log.read_text())
+                    precompute.append(float(said[1]) / (count / rate))
+                result = self.work / "runs" / f"trl-dpo-{kind}-{repeat}.json"
+                _, peak = _timed_peak_rss([
+                    sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                    str(_free_port()), str(REPO / "bench" / "trl_dpo.py"), str(model), str(pairs), str(steps), "8",
+                    "128", str(rank), str(result),
+                ])  # fmt: skip
+                trl = json.loads(result.read_text())
+                rate = _steady_rate(trl["pairs"], trl["step_seconds"])
+                runs[f"trl_{kind}"].append({"pairs_per_second": rate, "peak_rss_bytes": peak})
+        median = _medians(runs)
+        return {
+            "size": size.name,
+            "pairs": count,
+            "runs": runs,
+            "median": median,
+            **{
+                kind: {
+                    "pairs_per_second_ratio": median[f"finetune_{kind}"]["pairs_per_second"]
+                    / median[f"trl_{kind}"]["pairs_per_second"],
+                    "peak_rss_ratio": median[f"finetune_{kind}"]["peak_rss_bytes"]
+                    / median[f"trl_{kind}"]["peak_rss_bytes"],
+                }
+                for kind in ("full", "lora")
+            },
+            "targets": {"pairs_per_second_ratio": 1.5, "peak_rss_ratio": 0.7},
+            "precompute_fraction_of_epoch": statistics.median(precompute),
+            "trl_version": _version("trl"),
+        }
+
     def moe(self) -> dict:
         """A mixture of experts (Qwen3-MoE, 8 experts, top 2) trained in full, DDP on 2 processes, with the routers'
         balancing loss on: target tokens/s with transformers' grouped_mm experts against its per-expert loop
@@ -636,9 +709,11 @@ def _run(command: list[str]) -> None:
         )
 
 
-def _timed_peak_rss(command: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak resident bytes of `command`, started from a small process (bench/peak_rss.py)."""
-    wrapper = [sys.executable, str(REPO / "bench" / "peak_rss.py"), *command]
+def _timed_peak_rss(command: list[str], stdout: Path | None = None) -> tuple[float, int]:
+    """Wall seconds and peak resident bytes of `command`'s largest process, started from a small process
+    (bench/peak_rss.py); its output is kept in `stdout` if given."""
+    keep = ["--stdout", str(stdout)] if stdout else []
+    wrapper = [sys.executable, str(REPO / "bench" / "peak_rss.py"), *keep, *command]
     result = subprocess.run(wrapper, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
         raise SystemExit(f"bench: {' '.join(command[:6])} ... failed:\n{result.stderr[-4000:]}")
@@ -904,6 +979,30 @@ def _trl_lora_rows(trl: dict) -> list[str]:
     ]  # fmt: skip
 
 
+def _dpo_rows(dpo: dict) -> list[str]:
+    rows = []
+    for kind, setup in (("full", "FSDP2, reference precomputed vs DDP + reference model"),
+                        ("lora", "LoRA; FSDP2 vs DDP; adapters off as the reference")):  # fmt: skip
+        ours, theirs, ratios = dpo["median"][f"finetune_{kind}"], dpo["median"][f"trl_{kind}"], dpo[kind]
+        rows += [
+            _row(
+                f"DPO pairs/s vs TRL DPOTrainer {dpo['trl_version']} ({dpo['size']}, {setup})",
+                f"{ours['pairs_per_second']:.1f}", f"{theirs['pairs_per_second']:.1f}",
+                f"{ratios['pairs_per_second_ratio']:.2f}x", f">= {dpo['targets']['pairs_per_second_ratio']}x",
+            ),
+            _row(
+                f"DPO peak RSS of the largest process, {kind} ({dpo['size']})",
+                f"{ours['peak_rss_bytes'] / MIB:.0f} MiB", f"{theirs['peak_rss_bytes'] / MIB:.0f} MiB",
+                f"{ratios['peak_rss_ratio']:.2f}x", f"<= {dpo['targets']['peak_rss_ratio']}x",
+            ),
+        ]  # fmt: skip
+    rows.append(
+        _row(f"DPO reference precompute, fraction of one epoch of {dpo['pairs']} pairs",
+             f"{dpo['precompute_fraction_of_epoch']:.2f}", "(TRL: a reference forward every step)")
+    )  # fmt: skip
+    return rows
+
+
 def _moe_rows(moe: dict) -> list[str]:
     experts, trl = moe["experts"], moe["trl"]
     return [
@@ -966,11 +1065,12 @@ ROWS = {
     "loss_path": _loss_rows,
     "lora_vs_full": _lora_rows,
     "trl_lora": _trl_lora_rows,
+    "dpo": _dpo_rows,
     "moe": _moe_rows,
     "merge": _merge_rows,
 }
 SECTIONS = ("data_pipeline", "packing", "loss_path", "loop_overhead", "trainer", "checkpoint_save", "scaling",
-            "export", "lora_vs_full", "trl_lora", "moe", "merge")  # fmt: skip
+            "export", "lora_vs_full", "trl_lora", "dpo", "moe", "merge")  # fmt: skip
 """Every comparison, in the order `make bench` runs them."""
 
 

@@ -99,7 +99,7 @@ def main(model_dir: str, data_path: str, steps: int, micro_batch: int, out_path:
     )
     trainer = Trainer(model=model, args=arguments, train_dataset=train, data_collator=collator, callbacks=[clock])
     trainer.train()
-    write_steps(out_path, clock.step_seconds, clock.target_tokens)
+    write_steps(out_path, clock.step_seconds, target_tokens=clock.target_tokens)
     del trainer, model  # before the process group goes (close_ddp)
     close_ddp()
 

@@ -95,7 +95,7 @@ def main(
     collate = trainer.data_collator
     trainer.data_collator = lambda features: clock.count(collate(features))
     trainer.train()
-    write_steps(out, clock.step_seconds, clock.target_tokens)
+    write_steps(out, clock.step_seconds, target_tokens=clock.target_tokens)
     del trainer, model  # before the process group goes (close_ddp)
     close_ddp()
 

@@ -1,0 +1,68 @@
+"""The TRL peer for preference tuning: `DPOTrainer` (full fine-tuning, or with PEFT adapters), DDP, on the same pairs.
+
+    torchrun --nproc_per_node 2 bench/trl_dpo.py MODEL_DIR PAIRS.jsonl STEPS MICRO_BATCH MAX_LENGTH RANK OUT.json
+
+TRL with its defaults, as a user would run it: chosen and rejected of a batch padded into one forward (its DPO
+has no packed or padding-free path), the reference model loaded beside the policy and run every step (with
+adapters, the policy with its adapters switched off instead), the sigmoid loss with beta 0.1. RANK 0 trains
+every weight; RANK > 0 trains LoRA adapters of that rank on every linear layer, alpha 2 x RANK, no dropout, as
+the finetune side does. It writes the wall time of every optimizer step and the pairs it trained on, over all
+processes.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import datasets
+import torch
+import torch.distributed as dist
+from peers import close_ddp, write_steps
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import DPOConfig, DPOTrainer
+
+
+class StepClock(TrainerCallback):
+    """Wall time of each optimizer step."""
+
+    def __init__(self):
+        self.step_seconds: list[float] = []
+        self.began = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.began = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_seconds.append(time.perf_counter() - self.began)
+
+
+def main(model_dir: str, pairs_path: str, steps: int, micro_batch: int, max_length: int, rank: int, out: str) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pairs = datasets.load_dataset("json", data_files=pairs_path, split="train")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    arguments = DPOConfig(
+        output_dir=out + ".trl", per_device_train_batch_size=micro_batch, max_steps=steps, learning_rate=1e-5,
+        lr_scheduler_type="constant", max_grad_norm=1.0, use_cpu=True, ddp_backend="gloo", save_strategy="no",
+        report_to=[], logging_steps=steps, dataloader_num_workers=0, seed=0, max_length=max_length, beta=0.1,
+    )  # fmt: skip
+    lora = None
+    if rank > 0:
+        lora = LoraConfig(
+            r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+        )
+    clock = StepClock()
+    trainer = DPOTrainer(
+        model=model, args=arguments, train_dataset=pairs, processing_class=tokenizer, peft_config=lora,
+        callbacks=[clock],
+    )  # fmt: skip
+    trainer.train()
+    write_steps(out, clock.step_seconds, pairs=[micro_batch * dist.get_world_size()] * len(clock.step_seconds))
+    del trainer, model  # before the process group goes (close_ddp)
+    close_ddp()
+
+
+if __name__ == "__main__":
+    model_dir, pairs_path, steps, micro_batch, max_length, rank, out = sys.argv[1:8]
+    main(model_dir, pairs_path, int(steps), int(micro_batch), int(max_length), int(rank), out)
