@@ -60,15 +60,17 @@ def _flash_runs(device: torch.device, dtype: torch.dtype) -> bool:
     return _varlen_attn() is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
-def boundaries(position_ids: torch.Tensor) -> dict[str, Any]:
+def boundaries(position_ids: torch.Tensor, cu: torch.Tensor | None = None) -> dict[str, Any]:
     """The keyword arguments that carry the sample boundaries of packed rows of `position_ids` (rows x
-    length) once flattened into one: a sample starts wherever the positions restart at 0. The longest
-    sample is given as the row length, which bounds it: the kernel only sizes its grid by it, and a
-    number that never changes keeps compiled layers from recompiling for each batch."""
-    positions = position_ids.reshape(-1)
-    starts = torch.nonzero(positions == 0).reshape(-1)
-    end = torch.tensor([positions.numel()], device=positions.device)
-    cu = torch.cat([starts, end]).to(torch.int32)  # cumulative sample lengths, from 0
+    length) once flattened into one: a sample starts wherever the positions restart at 0 (`cu`, when the
+    collator found them on the host: finding them on a GPU would stall the host). The longest sample is
+    given as the row length, which bounds it: the kernel only sizes its grid by it, and a number that
+    never changes keeps compiled layers from recompiling for each batch."""
+    if cu is None:
+        positions = position_ids.reshape(-1)
+        starts = torch.nonzero(positions == 0).reshape(-1)
+        end = torch.tensor([positions.numel()], device=positions.device)
+        cu = torch.cat([starts, end]).to(torch.int32)  # cumulative sample lengths, from 0
     longest = position_ids.shape[-1]
     return dict(zip(BOUNDARY_KWARGS, (cu, cu, longest, longest), strict=True))
 
@@ -99,13 +101,16 @@ def varlen_attention(
     if _flash_runs(q.device, q.dtype):
         out = _flash(q, k, v, cu, kwargs["max_length_q"], scaling)
     else:
-        out = _per_sample(q, k, v, cu.tolist(), scaling, gqa)
+        out = _per_sample(q, k, v, cu, scaling, gqa)
     return out.unsqueeze(0), None
 
 
 def _per_sample(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scaling: float | None, gqa: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scaling: float | None, gqa: bool
 ) -> torch.Tensor:
+    """SDPA over each sample in turn: where no varlen kernel runs (CPUs; on a GPU, fp32), so the boundaries are
+    read on the host."""
+    bounds = cu.tolist()
     outs = [
         F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1),
@@ -115,7 +120,7 @@ def _per_sample(
             scale=scaling,
             enable_gqa=gqa,
         ).transpose(0, 1)
-        for start, end in zip(cu[:-1], cu[1:], strict=True)
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True)
     ]
     return torch.cat(outs)
 

@@ -80,7 +80,8 @@ def build_accelerator(
         log_with=trackers or None,
         project_dir=project_dir,
         # A seedable sampler makes the data order a function of (seed, epoch) on every process count.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # non_blocking: batches are copied to a GPU from pinned memory (finetune.data.loader_options) asynchronously.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
     )
     if on_cpu and plugin is not None:
         _enable_fsdp_on_cpu(accelerator, plugin)

@@ -351,7 +351,8 @@ def build_objective(
         table = compute_reference(model, data.splits, data.collate, accelerator, micro_batch_size, loss_path)
         if cached is not None and accelerator.is_main_process:
             write_reference(cached, table, key)
-    objective.reference_logps = table
+    # On the device, where the step looks pairs up by their index without a copy back to the host.
+    objective.reference_logps = table.to(accelerator.device)
     return objective, functools.partial(write_reference, output_file, table, key)
 
 
@@ -530,21 +531,22 @@ def train_step(
     (target token, or pair), its metrics, and whether any process set `stop_flag` (reduced with the loss: no
     collective of its own)."""
     objective = objective if objective is not None else Supervised(loss_path)
+    device = accelerator.device
     counts = [
         sum(objective.count(b) for b in micro_batches),
         sum(b["num_tokens"] for b in micro_batches),
         sum(b["input_ids"].numel() for b in micro_batches),  # token slots, padding included: the rows' fill
-        sum(flops.batch(b, b["num_tokens"]) for b in micro_batches) if flops is not None else torch.zeros(()),
+        sum(flops.batch(b, b["num_tokens"]) for b in micro_batches) if flops is not None else 0,
     ]
-    # One all-reduce, one device sync: every process needs the global unit count before its first backward.
-    # float64 holds the counts exactly (below 2**53) and the FLOPs.
-    counts = torch.stack([torch.as_tensor(c).to(accelerator.device, torch.float64) for c in counts])
-    num_units, num_tokens, num_slots, step_flops = accelerator.reduce(counts, "sum").tolist()
+    # Every process needs the global unit count before its first backward: it is all-reduced and used on the
+    # device, so the host goes on queueing the forwards. float64 holds the counts exactly (below 2**53).
+    counts = accelerator.reduce(torch.stack([_on_device(c, device) for c in counts]), "sum")
     # DDP and FSDP average gradients over processes; multiplying by the process count turns that
     # average into a sum, so the update is the gradient of (all unit losses) / (all units of the step).
-    scale = accelerator.num_processes / max(num_units, 1)
-    loss_sum = torch.zeros((), device=accelerator.device)
-    metric_sums = torch.zeros(len(objective.metric_names), device=accelerator.device)
+    # fp32, as a Python number multiplying the fp32 loss would be.
+    scale = (accelerator.num_processes / counts[0].clamp(min=1)).float()
+    loss_sum = torch.zeros((), device=device)
+    metric_sums = torch.zeros(len(objective.metric_names), device=device)
     for i, batch in enumerate(micro_batches):
         # DDP can skip the gradient all-reduce until the last micro-batch. FSDP reduce-scatters every
         # micro-batch instead: skipping would keep unsharded gradients and defeat its memory savings.
@@ -554,16 +556,19 @@ def train_step(
                 summed, sums = objective.loss(model, batch)
             accelerator.backward(summed * scale)
         loss_sum += summed.detach()
-        metric_sums += sums.to(accelerator.device)
-    flag = torch.tensor(stop_flag, device=accelerator.device)
-    reduced = accelerator.reduce(torch.cat([torch.stack([loss_sum, flag]), metric_sums]), "sum").tolist()
-    summed_loss, stops, *summed_metrics = reduced
+        metric_sums += sums.to(device)
+    flag = torch.full((), stop_flag, device=device)
+    reduced = accelerator.reduce(torch.cat([torch.stack([loss_sum, flag]), metric_sums]), "sum")
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
+    grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+    # The step's one host sync, after the last backward: the divergence guard needs the loss and the gradient
+    # norm before the update.
+    on_host = torch.cat([counts, reduced.double(), grad_norm.reshape(1).double()]).tolist()
+    num_units, num_tokens, num_slots, step_flops, summed_loss, stops, *summed_metrics, grad_norm = on_host
     loss = summed_loss / max(num_units, 1)
     step_metrics = {
         name: value / max(num_units, 1) for name, value in zip(objective.metric_names, summed_metrics, strict=True)
     }
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
-    grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         raise FinetuneError(
             f"step {step}: loss is {loss} and gradient norm is {grad_norm}; training diverged before this update was "
@@ -575,6 +580,14 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     step_metrics["fill"] = num_tokens / max(num_slots, 1)
     return StepResult(loss, grad_norm, int(num_tokens), int(num_units), step_flops, stops > 0, step_metrics)
+
+
+def _on_device(count: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    """A count as a float64 on the device: a tensor converted there, a number written there (no copy from host
+    memory, which a GPU would wait for)."""
+    if isinstance(count, torch.Tensor):
+        return count.to(device, torch.float64, non_blocking=True)
+    return torch.full((), count, dtype=torch.float64, device=device)
 
 
 def _accumulation_windows(

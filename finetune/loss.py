@@ -5,10 +5,10 @@ Two paths, chosen by `train.loss`:
 - `full_logits` (the reference): the model returns logits for every position, they are upcast to
   fp32 and `F.cross_entropy` takes them. For a 128,256-token vocabulary that is 1 GiB per 2,048
   tokens, kept for backward, plus the softmax's transients.
-- `chunked` (the default): the model keeps only the positions that have a target (transformers'
-  `logits_to_keep` as a boolean mask slices the hidden states before the output projection), and the
-  projection runs with the cross-entropy inside one autograd function, a chunk of rows at a time, so
-  a chunk's logits exist only while its loss and gradients are computed. The gradients are computed
+- `chunked` (the default): the output projection keeps only the positions that have a target (their
+  indices come with the batch, `kept_index`), and it runs with the cross-entropy inside one autograd
+  function, a chunk of rows at a time, so a chunk's logits exist only while its loss and gradients are
+  computed. The gradients are computed
   in the forward: the loss is a sum, so backward only scales them by one number. That costs the same
   three matmuls as the reference, and nothing of the logits' size is kept for backward.
 
@@ -68,14 +68,23 @@ def batch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], path: Los
         )
         losses = losses.view_as(targets)
         return BatchLoss(losses.sum(), losses.detach().sum(dim=1))
-    kept = targets != IGNORE
-    with _head_computes_loss(output_head(model), targets[kept]) as per_token:
+    kept = target_positions(batch)
+    with _head_computes_loss(output_head(model), kept, targets.reshape(-1).index_select(0, kept)) as per_token:
         # The loss comes out as the model's output (`logits`, one value): FSDP hooks its backward on outputs.
-        logits_to_keep = kept.reshape(inputs["input_ids"].shape)  # rows made one for flash attention stay in order
-        total = model(**inputs, use_cache=False, logits_to_keep=logits_to_keep).logits.reshape(())
-    rows = torch.arange(targets.shape[0], device=targets.device).unsqueeze(1).expand_as(targets)[kept]
+        total = model(**inputs, use_cache=False, logits_to_keep=0).logits.reshape(())
+    rows = kept.div(targets.shape[1], rounding_mode="floor")
     per_row = torch.zeros(targets.shape[0], device=targets.device).index_add_(0, rows, per_token[0])
     return BatchLoss(total, per_row)
+
+
+def target_positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The positions with a target, as indices into the batch's rows flattened (rows made one for the varlen and
+    flash paths keep that order). The collators computed them on the host (`kept_index`): found here, on a
+    GPU, they would stall the host until the device caught up (`nonzero` must know how many there are)."""
+    kept = batch.get("kept_index")
+    if kept is None:
+        kept = (batch["target_ids"].reshape(-1) != IGNORE).nonzero().reshape(-1)
+    return kept
 
 
 def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -89,7 +98,7 @@ def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict
     packed = "position_ids" in inputs and "attention_mask" not in inputs
     implementation = _attention_implementation(model)
     if packed and implementation == attention.NAME:
-        boundaries = attention.boundaries(inputs["position_ids"])
+        boundaries = attention.boundaries(inputs["position_ids"], batch.get("cu_seq_lens"))
         inputs = {key: value.reshape(1, -1) for key, value in inputs.items()} | boundaries
     elif packed and inputs["input_ids"].shape[0] > 1 and _flash_attention(implementation):
         inputs = {key: value.reshape(1, -1) for key, value in inputs.items()}
@@ -147,14 +156,16 @@ def chunked_loss_unsupported(model: torch.nn.Module) -> str | None:
 
 
 @contextlib.contextmanager
-def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor) -> Iterator[list[torch.Tensor]]:
-    """While inside: the head, called by the model's forward on the kept hidden states, returns the summed
-    loss against `targets` (one per kept position) as a one-element tensor instead of logits; the list
-    yielded receives the per-token losses."""
+def _head_computes_loss(
+    head: torch.nn.Linear, kept: torch.Tensor, targets: torch.Tensor
+) -> Iterator[list[torch.Tensor]]:
+    """While inside: the head, called by the model's forward on every position's hidden state, returns the
+    summed loss of the `kept` positions against their `targets` as a one-element tensor instead of logits;
+    the list yielded receives the per-token losses."""
     per_token: list[torch.Tensor] = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden.reshape(-1, hidden.shape[-1])
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, kept)
         with_grads = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
         total, losses = _LinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, with_grads)
         per_token.append(losses)
@@ -246,25 +257,26 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], path:
     backward recomputes a chunk's logits instead of keeping gradients from the forward."""
     inputs = model_inputs(model, batch)
     targets = batch["target_ids"]
-    kept = targets != IGNORE
+    kept = target_positions(batch)
     if path == "full_logits":
         logits = model(**inputs, use_cache=False).logits
         per_position = -F.cross_entropy(
             logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none"
         )
-        per_token = per_position[kept.flatten()]
+        per_token = per_position.index_select(0, kept)
     else:
         head = output_head(model)
+        kept_targets = targets.reshape(-1).index_select(0, kept)
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
-            return _LinearLogProbs.apply(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias, targets[kept])
+            hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, kept)
+            return _LinearLogProbs.apply(hidden, head.weight, head.bias, kept_targets)
 
         with _head_forward(head, forward):
-            logits_to_keep = kept.reshape(inputs["input_ids"].shape)
-            per_token = model(**inputs, use_cache=False, logits_to_keep=logits_to_keep).logits.reshape(-1)
+            per_token = model(**inputs, use_cache=False, logits_to_keep=0).logits.reshape(-1)
     sequences = batch["sequence_targets"].shape[0]
     zeros = torch.zeros(sequences, dtype=torch.float32, device=per_token.device)
-    return zeros.index_add(0, batch["sequence_ids"][kept], per_token.float())
+    return zeros.index_add(0, batch["sequence_ids"].reshape(-1).index_select(0, kept), per_token.float())
 
 
 class _LinearLogProbs(torch.autograd.Function):

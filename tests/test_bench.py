@@ -66,7 +66,7 @@ def test_make_bench_runs_every_comparison(tmp_path):
     assert lora["checkpoint_bytes_ratio"] < 0.5 and positive(lora["step_time_ratio"])
     assert all(positive(v) for v in results["trl_lora"]["median"].values())
     dpo = results["dpo"]  # preference tuning against TRL's DPOTrainer, full and LoRA
-    assert all(positive(v) for run in dpo["median"].values() for v in run.values()) and len(dpo["median"]) == 4
+    assert all(positive(v) for run in dpo["median"].values() for v in run.values()) and len(dpo["median"]) == 5
     assert positive(dpo["precompute_fraction_of_epoch"])
     assert all(positive(v) for part in ("experts", "trl") for v in results["moe"][part]["median"].values())
     assert all(positive(v["peak_rss_bytes"]) for v in results["merge"]["median"].values())

@@ -90,6 +90,19 @@ def collate_packed(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     # Real tokens per row (the rest is padding, which has no attention mask to tell it apart).
     batch["row_tokens"] = torch.tensor([row["num_tokens"] for row in rows])
     batch["num_tokens"] = batch["row_tokens"].sum()
+    return with_host_indices(batch)
+
+
+def with_host_indices(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Add what the step would otherwise find on the device, where finding it (`nonzero`, boolean-mask indexing)
+    stalls the host until the GPU catches up: `kept_index`, the positions with a target in the rows flattened
+    (finetune.loss); for packed rows `cu_seq_lens`, where each sample starts in them and their end (the varlen
+    path's boundaries, finetune.attention). Computed here, on the host, as the batch is collated."""
+    batch["kept_index"] = (batch["target_ids"].reshape(-1) != IGNORE).nonzero().reshape(-1)
+    if "position_ids" in batch:
+        positions = batch["position_ids"].reshape(-1)
+        starts = (positions == 0).nonzero().reshape(-1)
+        batch["cu_seq_lens"] = torch.cat([starts, torch.tensor([positions.numel()])]).to(torch.int32)
     return batch
 
 
@@ -104,4 +117,4 @@ def collate_padded(rows: list[dict[str, Any]], pad_id: int) -> dict[str, torch.T
         batch["attention_mask"].append([1] * len(row["input_ids"]) + [0] * padding)
     tensors = {key: torch.tensor(value) for key, value in batch.items()}
     tensors["num_tokens"] = tensors["attention_mask"].sum()
-    return tensors
+    return with_host_indices(tensors)

@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerBase
 from finetune.chatter import no_datasets_bars
 from finetune.config import DataConfig
 from finetune.data.chat import describe, encode_rendered, render_chats
+from finetune.data.pack import with_host_indices
 from finetune.data.sources import SAMPLE_INDEX
 from finetune.data.tokenize import IGNORE, encode_prompt_completions, map_processes
 from finetune.errors import FinetuneError
@@ -241,4 +242,4 @@ def collate_pairs(
         batch["row_tokens"] = torch.tensor([sum(mask) for mask in attention_mask])  # the rest of a row is padding
     else:
         batch["attention_mask"] = torch.tensor(attention_mask)
-    return batch
+    return with_host_indices(batch)

@@ -97,7 +97,8 @@ class Preference:
     progress_name: str | None = "rewards/accuracies"
 
     def count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return batch["pair_index"].new_tensor(batch["pair_index"].shape[0])
+        index = batch["pair_index"]
+        return torch.full((), index.shape[0], dtype=torch.int64, device=index.device)
 
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         result, policy = self._pairs(model, batch)
@@ -127,7 +128,7 @@ class Preference:
 
             with torch.no_grad(), adapters_disabled(model):
                 return sequence_logps(model, batch, self.loss_path)
-        table = self.reference_logps[batch["pair_index"].cpu()]  # (pairs, 2)
+        table = self.reference_logps.index_select(0, batch["pair_index"].to(self.reference_logps.device))  # (pairs, 2)
         return torch.cat([table[:, 0], table[:, 1]]).to(batch["input_ids"].device, torch.float32)
 
     def periodic_metrics(self, accelerator: Accelerator) -> dict[str, float]:
