@@ -134,7 +134,7 @@ train-qwen-7b-dpo: ## Qwen2.5-7B-Instruct DPO with LoRA, UltraFeedback, 1 GPU, F
 train-qwen-7b-dpo: RECIPE = recipes/qwen/qwen2.5-7b-dpo-lora.yaml
 train-qwen-7b-dpo: WRAP = Qwen2DecoderLayer
 train-qwen-7b-dpo: NUM_PROCESSES = 1
-train-qwen3-30b-a3b-lora: ## Qwen3-30B-A3B LoRA (attention; experts and routers left alone), UltraChat, 1 GPU, FSDP2
+train-qwen3-30b-a3b-lora: ## Qwen3-30B-A3B LoRA (attention and experts; routers left alone), UltraChat, 1 GPU, FSDP2
 train-qwen3-30b-a3b-lora: RECIPE = recipes/qwen/qwen3-30b-a3b-lora.yaml
 train-qwen3-30b-a3b-lora: WRAP = Qwen3MoeDecoderLayer
 train-qwen3-30b-a3b-lora: NUM_PROCESSES = 1

@@ -46,6 +46,7 @@ def add_adapters(model: PreTrainedModel, cfg: PeftConfig) -> PeftModel:
     lora = LoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, use_dora=cfg.method == "dora",
         use_rslora=cfg.use_rslora, modules_to_save=cfg.modules_to_save or None, task_type="CAUSAL_LM",
+        target_parameters=expert_parameters(model, cfg) or None,
     )  # fmt: skip
     try:
         adapted = get_peft_model(model, lora, autocast_adapter_dtype=True)
@@ -77,10 +78,30 @@ def linear_layers_outside_experts(model: PreTrainedModel) -> list[str]:
     ]  # fmt: skip
 
 
+def expert_parameters(model: PreTrainedModel, cfg: PeftConfig) -> list[str]:
+    """The parameters adapted as parameters (PEFT's target_parameters), by full name: `peft.target_parameters`
+    as named, and with `peft.target_experts` every fused routed-expert weight (3-D: experts x out x in)."""
+    names = list(cfg.target_parameters)
+    if cfg.target_experts:
+        names += [
+            name for name, p in model.named_parameters()
+            if p.ndim == 3 and is_routed_expert(name) and name not in names
+        ]  # fmt: skip
+    return names
+
+
 def check_adapter_targets(model: PreTrainedModel, cfg: PeftConfig) -> None:
     """Every module the recipe names exists (PEFT skips a `modules_to_save` name that matches nothing, so a
     typo would train nothing in full), and no adapter touches a tied embedding: the trained model would use
     the adapted matrix on one side only, which no merged export can reproduce."""
+    parameters = [name for name, _ in model.named_parameters()]
+    unknown = [n for n in cfg.target_parameters if not any(p == n or p.endswith(f".{n}") for p in parameters)]
+    if unknown:
+        fused = sorted({p.split(".", 3)[-1] for p, t in model.named_parameters() if t.ndim == 3}) or ["none"]
+        raise FinetuneError(
+            f"peft.target_parameters names {', '.join(unknown)}, which {type(model).__name__} does not have; its "
+            f"3-D (fused expert) parameters are: {', '.join(fused[:6])}"
+        )
     names = [name for name, _ in model.named_modules() if name]
     for key in ("modules_to_save", "target_modules"):
         wanted = [n for n in getattr(cfg, key) if n != "all-linear"]
@@ -109,12 +130,14 @@ _MERGEABLE = ("Linear", "Linear4bit", "Embedding", "Conv1D")
 
 def _check_mergeable(model: PeftModel) -> None:
     """Adapters only on layers whose merge finetune computes (PEFT also adapts convolutions and attention
-    modules, whose merged export would be wrong); refused before training, not after."""
-    from peft.tuners.lora import LoraLayer
+    modules, whose merged export would be wrong); refused before training, not after. Parameters adapted as
+    parameters (ParamWrapper: fused experts) merge as finetune.merge computes them."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
 
     others = sorted(
         {f"{name} ({type(m.get_base_layer()).__name__})" for name, m in model.named_modules()
-         if isinstance(m, LoraLayer) and type(m.get_base_layer()).__name__ not in _MERGEABLE}
+         if isinstance(m, LoraLayer) and not isinstance(m, ParamWrapper)
+         and type(m.get_base_layer()).__name__ not in _MERGEABLE}
     )  # fmt: skip
     if others:
         raise FinetuneError(
@@ -130,7 +153,8 @@ def _leaf(model: torch.nn.Module, module: torch.nn.Module | None) -> str | None:
 
 # The adapter settings that decide which tensors a checkpoint holds and what they mean: resuming with any
 # of them changed would load another adapter's state (or drop trained tensors), so it is refused.
-_STRUCTURAL = ("method", "r", "alpha", "target_modules", "use_rslora", "modules_to_save", "quantization")
+_STRUCTURAL = ("method", "r", "alpha", "target_modules", "target_experts", "target_parameters", "use_rslora",
+               "modules_to_save", "quantization")  # fmt: skip
 
 
 def check_resume_adapters(checkpoint: Path, cfg: PeftConfig) -> None:
@@ -201,7 +225,11 @@ def describe_adapters(model: torch.nn.Module) -> str:
     frozen = sum(p.numel() * packed.get(id(p), 1) for p in model.parameters() if not p.requires_grad)
     in_4bit = sum(p.numel() * packed[id(p)] for p in model.parameters() if id(p) in packed)
     quantized = f", {in_4bit:,} of them in 4 bits (nf4)" if in_4bit else ""
-    return f"adapters: {trainable:,} trainable parameters, {frozen:,} frozen{quantized}"
+    from peft.tuners.lora import ParamWrapper
+
+    wrapped = sum(isinstance(m, ParamWrapper) for m in model.modules())
+    experts = f"; {wrapped} fused expert weights adapted per expert (peft.target_experts)" if wrapped else ""
+    return f"adapters: {trainable:,} trainable parameters, {frozen:,} frozen{quantized}{experts}"
 
 
 def adapter_precision(model: torch.nn.Module, mixed_precision: str) -> str:

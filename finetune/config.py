@@ -395,6 +395,16 @@ class PeftConfig:
     but the output head: of a mixture of experts, attention, dense MLPs and shared experts, never its routers
     or routed experts (which PEFT 0.21's all-linear adapts too). A list value may be written as one name."""
 
+    target_experts: bool = False
+    """Of a mixture of experts, also adapt the routed experts of every MoE layer: each fused expert weight
+    (gate_up_proj, down_proj: experts x out x in) gets a low-rank update per expert, through PEFT's
+    target_parameters. LoRA without dropout only (PEFT cannot adapt a parameter with either)."""
+
+    target_parameters: list[str] = field(default_factory=list)
+    """Parameters to adapt by name, as PEFT's target_parameters: a name ending a parameter's full name, e.g.
+    [7.mlp.experts.gate_up_proj, 7.mlp.experts.down_proj] for one layer's experts (target_experts: all of
+    them). Same limits as target_experts."""
+
     use_rslora: bool = False
     """Rank-stabilized scaling alpha / sqrt(r), which keeps high ranks from learning more slowly."""
 
@@ -417,6 +427,12 @@ class PeftConfig:
             errors.append(f"peft.dropout must be in [0, 1), got {self.dropout}")
         if not self.target_modules or ("all-linear" in self.target_modules and len(self.target_modules) > 1):
             errors.append("peft.target_modules must be a list of module names, or [all-linear] alone")
+        if self.target_experts or self.target_parameters:
+            asked = "peft.target_experts" if self.target_experts else "peft.target_parameters"
+            if self.method != "lora":
+                errors.append(f"{asked} adapts parameters with LoRA only; set peft.method: lora")
+            if self.dropout:
+                errors.append(f"{asked} cannot apply dropout to a parameter's adapter; set peft.dropout: 0")
         return errors
 
 

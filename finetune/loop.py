@@ -167,7 +167,10 @@ def preflight(recipe: RecipeConfig) -> Path | None:
         check_model_path(recipe.preference.reference_model)
     check_quantized_base(recipe.model, adapters=recipe.peft is not None, export_merged=recipe.output.export_merged)
     quantization = recipe.peft.quantization if recipe.peft is not None and recipe.peft.quantization != "none" else None
-    check_experts_recipe(load_model_config(recipe.model), quantization, recipe.train.router_aux_loss_coef)
+    target_experts = recipe.peft is not None and recipe.peft.target_experts
+    check_experts_recipe(
+        load_model_config(recipe.model), quantization, recipe.train.router_aux_loss_coef, target_experts
+    )
     problems = environment_problems(recipe)
     if problems:
         raise FinetuneError("; ".join(problems))

@@ -51,13 +51,73 @@ def merged_weights(checkpoint: Path, onto: str = "dequantized") -> tuple[Checkpo
     record = json.loads((checkpoint / MODEL_FILES / ADAPTER_RECORD).read_text())
     quantized = record.get("quantized") if onto == "dequantized" else None
     adapter = adapter_tensors(checkpoint)
+    experts = ExpertUpdates(model, config, adapter)  # takes the adapter's fused-expert tensors out of it
     # The base's files are in the layout its family is published in (finetune.family); the adapter names the
     # model's modules as held in memory.
     hub, groups = HubLayout.of(model), tensor_names(model)
     if hub is not None:
         adapter, groups = {_hub_key(hub, key): tensor for key, tensor in adapter.items()}, hub.groups(groups)
         transposed = {hub.name(f"{layer}.weight").removesuffix(".weight") for layer in transposed}
-    return MergedWeights(base, adapter, config, transposed, quantized), groups
+    experts.in_layout(hub)
+    return MergedWeights(base, adapter, config, transposed, quantized, experts), groups
+
+
+class ExpertUpdates:
+    """The updates of parameters adapted as parameters (PEFT's ParamWrapper, `target_parameters`: fused expert
+    weights, experts x out x in), one fused parameter at a time, in the names the base's files use.
+
+    PEFT saves a module's adapted parameters as nested wrappers (`...experts.lora_A` for the last one named,
+    `...experts.base_layer.lora_A` for the one before) that do not name the parameter: which is which, and
+    whether PEFT swapped its in and out features, is read off PEFT's own wrapping of the model on the meta
+    device. Each update is PEFT's: per expert e, B_e @ A_e times the scaling, in the parameter's layout."""
+
+    def __init__(self, model: torch.nn.Module, config: dict, adapter: dict[str, torch.Tensor]):
+        self.scaling = config["lora_alpha"] / (math.sqrt(config["r"]) if config.get("use_rslora") else config["r"])
+        self.parts: dict[str, tuple[torch.Tensor, torch.Tensor, int, bool]] = {}  # parameter -> A, B, experts, swap
+        self.pieces: dict[str, str] = {}  # name in the base's files -> the fused parameter it is (part of)
+        self.shapes: dict[str, torch.Size] = {}
+        self.hub: HubLayout | None = None
+        if not config.get("target_parameters"):
+            return
+        for prefix, (parameter, experts, swapped) in _parameter_wrappers(model, config).items():
+            a, b = adapter.pop(f"{prefix}.lora_A.weight"), adapter.pop(f"{prefix}.lora_B.weight")
+            self.parts[parameter] = (a, b, experts, swapped)
+        self.shapes = {name: p.shape for name, p in model.named_parameters() if name in self.parts}
+
+    def in_layout(self, hub: HubLayout | None) -> None:
+        """Name each update's pieces as the base's files store them (fused, or one tensor per expert)."""
+        for name, shape in self.shapes.items():
+            stored = hub.convert(name, torch.empty(shape, device="meta")) if hub is not None else {name: None}
+            self.pieces |= dict.fromkeys(stored, name)
+        self.hub = hub
+
+    def delta(self, parameter: str) -> dict[str, torch.Tensor]:
+        """The update of fused `parameter` in fp32, as the pieces the base's files store."""
+        a, b, experts, swapped = self.parts[parameter]
+        a = a.float().reshape(experts, -1, a.shape[-1])  # experts x r x in
+        b = b.float().reshape(b.shape[0], -1, experts)  # out x r x experts
+        delta = torch.einsum("o r e, e r i -> e o i" if swapped else "o r e, e r i -> e i o", b, a) * self.scaling
+        return self.hub.convert(parameter, delta) if self.hub is not None else {parameter: delta}
+
+
+def _parameter_wrappers(model: torch.nn.Module, config: dict) -> dict[str, tuple[str, int, bool]]:
+    """For each ParamWrapper PEFT puts on `model` for the adapter `config`: its key prefix in a saved adapter ->
+    (the parameter it adapts, by full name; its number of experts; whether PEFT swapped in and out features)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import ParamWrapper
+
+    keep = {"r", "lora_alpha", "target_modules", "target_parameters", "use_rslora", "modules_to_save"}
+    lora = LoraConfig(**{k: v for k, v in config.items() if k in keep}, task_type="CAUSAL_LM")
+    with torch.device("meta"):
+        wrapped = get_peft_model(copy.deepcopy(model), lora)
+    found = {}
+    for name, module in wrapped.named_modules():
+        if isinstance(module, ParamWrapper):
+            owner = name.removeprefix(_PREFIX).replace(".base_layer", "")
+            found[name] = (f"{owner}.{module.parameter_name}", module.num_experts, module._did_swap_in_out_features)
+    return found
 
 
 def _hub_key(hub: HubLayout, key: str) -> str:
@@ -88,9 +148,10 @@ class MergedWeights(CheckpointWeights):
         config: dict,
         transposed: set[str],
         quantized: dict | None = None,
+        experts: ExpertUpdates | None = None,
     ):
         super().__init__(base.shapes, base.dtypes)
-        self.base, self.transposed, self.quantized = base, transposed, quantized
+        self.base, self.transposed, self.quantized, self.experts = base, transposed, quantized, experts
         self.as_trained = set(quantized["weights"]) if quantized else set()
         self.scaling = config["lora_alpha"] / (math.sqrt(config["r"]) if config.get("use_rslora") else config["r"])
         self.parts: dict[str, dict[str, torch.Tensor]] = {}  # "<module>.weight" -> lora_A, lora_B, magnitude
@@ -121,11 +182,21 @@ class MergedWeights(CheckpointWeights):
             )
 
     def read_into(self, targets: dict[str, torch.Tensor]) -> None:
-        changed = self.parts.keys() | self.replaced.keys() | self.as_trained
+        pieces = self.experts.pieces if self.experts is not None else {}
+        changed = self.parts.keys() | self.replaced.keys() | self.as_trained | pieces.keys()
         plain = {name: t for name, t in targets.items() if name not in changed}
         if plain:
             self.base.read_into(plain)
+        # A fused expert parameter's update is computed once for the pieces of it this shard holds.
+        for parameter in dict.fromkeys(pieces[name] for name in targets if name in pieces):
+            for name, delta in self.experts.delta(parameter).items():
+                if name in targets:
+                    weight = torch.empty(self.shapes[name], dtype=torch.float32)
+                    self.base.read_into({name: weight})
+                    targets[name].copy_(weight + delta)
         for name, target in targets.items():
+            if name in pieces:
+                continue
             if name in self.replaced:
                 target.copy_(self.replaced[name])
             elif name in changed:

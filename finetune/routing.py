@@ -107,12 +107,20 @@ def check_grouped_mm_shapes(model: torch.nn.Module, compute_dtype: torch.dtype) 
                 )
 
 
-def check_experts_recipe(config, quantization: str | None, requested_coefficient: float | None) -> None:
+def check_experts_recipe(
+    config, quantization: str | None, requested_coefficient: float | None, target_experts: bool = False
+) -> None:
     """What a recipe asks of a model's experts, checked from its config before anything loads: a balancing loss
-    only where the model has one; no 4-bit base for a mixture of experts, whose experts bitsandbytes would leave
-    unquantized (it quantizes linear layers; transformers holds the experts as fused 3-D tensors)."""
+    only where the model has one; adapters on experts only where there are experts; no 4-bit base for a mixture
+    of experts, whose experts bitsandbytes would leave unquantized (it quantizes linear layers; transformers
+    holds the experts as fused 3-D tensors)."""
     balancing_coefficient(config, requested_coefficient)
     experts = experts_of(config)
+    if target_experts and experts is None:
+        raise FinetuneError(
+            f"peft.target_experts adapts the routed experts of a mixture of experts, and this {config.model_type} "
+            "model is dense; remove peft.target_experts (target_modules: [all-linear] covers its MLPs)"
+        )
     if experts is not None and quantization is not None:
         raise FinetuneError(
             f"peft.quantization={quantization} quantizes linear layers only, and this {config.model_type} model "

@@ -3,6 +3,7 @@ balancing loss (finetune.routing)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 from test_export import max_logits_difference
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from finetune import merge as merge_module
 from finetune.checkpoint import MARKER, MODEL_FILES
 from finetune.errors import FinetuneError
 from finetune.family import active_parameters, experts_of
@@ -298,12 +300,19 @@ def test_balancing_loss_is_normalized_like_the_loss_on_any_process_count(moe_run
 
 @pytest.mark.multiprocess
 def test_lora_on_an_moe_model_merges_into_the_hub_layout(tmp_path_factory, demo_assets, moe_bases):
-    """Mixtral: the hub calls its MoE blocks block_sparse_moe and its experts w1/w2/w3; the merged export is written
-    under those names, from the base's own files, and gives the trained model's logits."""
+    """Mixtral: the hub calls its MoE blocks block_sparse_moe and its experts w1/w2/w3; adapters on its linear layers
+    and on every fused expert weight (sharded by expert over 2 processes) train, and the merged export is written
+    under the hub's names, from the base's own files, and gives the trained model's logits."""
     run = _moe_run(
         tmp_path_factory, demo_assets, moe_bases["mixtral"], "moe_lora", 2,
-        **{"peft.r": 8, "peft.target_modules": "[all-linear]", "output.export_merged": "true"},
+        **{"peft.r": 8, "peft.target_modules": "[all-linear]", "peft.target_experts": "true",
+           "output.export_merged": "true"},
     )  # fmt: skip
+    assert "; 4 fused expert weights adapted per expert (peft.target_experts)" in run.log
+    saved = json.loads((run.output_dir / "final" / "adapter_config.json").read_text())
+    assert sorted(saved["target_parameters"]) == [
+        f"model.layers.{n}.mlp.experts.{p}" for n in (0, 1) for p in ("down_proj", "gate_up_proj")
+    ]
     merged = run.output_dir / "final_merged"
     with safe_open(merged / "model.safetensors", "pt") as f:
         names = set(f.keys())
@@ -384,3 +393,71 @@ def test_gpt_oss_trains_with_eager_attention_and_keeps_its_fused_names(tmp_path_
         assert set(f.keys()) == set(hub.keys())  # noqa: SIM118
     assert max_logits_difference(run.output_dir, run.output_dir / "final") <= 1e-5
     assert "experts: 2 of 4 per token (grouped_mm); routers in fp32; balancing loss x0.001" in run.log
+
+
+# ---- LoRA on the routed experts (peft.target_experts: PEFT's target_parameters on the fused expert weights).
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe", "gpt_oss"])
+def test_expert_adapters_merge_into_the_hub_layout_as_peft_merges_them(model_type, tmp_path):
+    """Adapters on every fused expert weight (and attention): the merge written in the base's hub layout equals
+    PEFT's merge_and_unload saved by save_pretrained, tensor for tensor, and computes the adapted model's logits."""
+    from peft import get_peft_model_state_dict
+
+    from finetune.adapters import add_adapters
+    from finetune.config import PeftConfig
+    from finetune.export import _SafetensorsWeights
+    from finetune.family import HubLayout
+    from finetune.merge import ExpertUpdates, MergedWeights, model_weight_files
+    from finetune.model import meta_model
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+    base.save_pretrained(tmp_path / "base")
+    adapted = add_adapters(copy.deepcopy(base), PeftConfig(r=4, target_modules=["q_proj"], target_experts=True))
+    with torch.no_grad():  # as if trained
+        for param in adapted.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.1)
+    fused = [n for n, p in base.named_parameters() if p.ndim == 3]
+    assert sorted(adapted.peft_config["default"].target_parameters) == sorted(fused) and len(fused) == 4
+    adapter, config = get_peft_model_state_dict(adapted), adapted.peft_config["default"].to_dict()
+
+    meta = meta_model(base.config)
+    experts = ExpertUpdates(meta, config, adapter)
+    assert len(experts.parts) == 4 and not any("experts" in key for key in adapter)  # the rest: attention's
+    hub = HubLayout.of(meta)
+    if hub is not None:
+        adapter = {merge_module._hub_key(hub, key): tensor for key, tensor in adapter.items()}
+    experts.in_layout(hub)
+    merged = MergedWeights(_SafetensorsWeights(model_weight_files(tmp_path / "base")), adapter, config, set(),
+                           experts=experts)  # fmt: skip
+    ours = {name: torch.empty(shape) for name, shape in merged.shapes.items()}
+    merged.read_into(ours)
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        trained = adapted(input_ids=ids).logits
+        reference = saved_pretrained(adapted.merge_and_unload(), tmp_path / "peft")
+    assert ours.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-6, msg=name)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "peft").eval()
+    with torch.no_grad():
+        assert (reloaded(input_ids=ids).logits - trained).abs().max().item() <= 1e-5
+
+
+def test_expert_adapters_are_refused_where_they_cannot_train():
+    from finetune.config import PeftConfig
+    from finetune.routing import check_experts_recipe
+
+    assert PeftConfig(target_experts=True, method="dora").errors() == [
+        "peft.target_experts adapts parameters with LoRA only; set peft.method: lora"
+    ]
+    assert "set peft.dropout: 0" in PeftConfig(target_parameters=["experts.down_proj"], dropout=0.1).errors()[0]
+    with pytest.raises(FinetuneError, match="this llama model is dense; remove peft.target_experts"):
+        check_experts_recipe(AutoConfig.for_model("llama"), None, None, target_experts=True)
+    from finetune.adapters import check_adapter_targets
+
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    with pytest.raises(FinetuneError, match=r"names experts.gate_proj, which .*\(fused expert\) parameters are: mlp"):
+        check_adapter_targets(model, PeftConfig(target_parameters=["experts.gate_proj"]))
