@@ -142,7 +142,7 @@ def check_quantized_base(cfg: ModelConfig, adapters: bool, export_merged: bool =
     models): its weights are 4-bit codes, not numbers a full fine-tuning could update, so that is refused;
     adapter runs train on it as it is (QLoRA), and export the adapter, not a merge into codes."""
     method = quantized_method(load_model_config(cfg))
-    if method is None:
+    if method is None or (method in DEQUANTIZED_ON_LOAD and not export_merged):
         return
     if not adapters:
         raise FinetuneError(
@@ -156,6 +156,22 @@ def check_quantized_base(cfg: ModelConfig, adapters: bool, export_merged: bool =
             "codes; drop output.export_merged (final/ holds the adapter, which loads onto this base) or train on "
             "the unquantized model to export it merged"
         )
+
+
+# Quantizations whose weights transformers turns back into numbers on load: gpt-oss publishes its experts in MXFP4
+# (4-bit floats in blocks of 32 sharing a power-of-two scale), which trains only dequantized.
+DEQUANTIZED_ON_LOAD = ("mxfp4",)
+
+
+def dequantizing(config: PretrainedConfig) -> Any:
+    """The quantization config that loads a base stored in MXFP4 dequantized to the recipe's dtype (transformers'
+    `Mxfp4Config(dequantize=True)`, which also drops `quantization_config` from the loaded model's config, so
+    checkpoints and exports describe plain weights); None for any other base."""
+    if quantized_method(config) not in DEQUANTIZED_ON_LOAD:
+        return None
+    from transformers import Mxfp4Config
+
+    return Mxfp4Config(dequantize=True)
 
 
 def quantized_method(config: PretrainedConfig | dict) -> str | None:
@@ -252,6 +268,10 @@ def load_model(
     if attention == varlen.NAME:
         varlen.register()
     try:
+        config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+        quantization = quantization if quantization is not None else dequantizing(config)
+        if dequantizing(config) is not None:
+            del config.quantization_config  # the model built below holds plain weights
         if read_weights:
             # Passed only when given: an explicit None would also drop the quantization of a base saved quantized.
             quantized = {"quantization_config": quantization} if quantization is not None else {}
@@ -260,7 +280,6 @@ def load_model(
                 **quantized,
             )  # fmt: skip
         else:
-            config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
             with init_empty_weights(include_buffers=False):
                 model = AutoModelForCausalLM.from_config(
                     config, dtype=dtype, attn_implementation=attention, trust_remote_code=cfg.trust_remote_code

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import DEMO_RECIPE, REPO, Run, launch, recipe_overrides
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_export import max_logits_difference
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -374,24 +375,49 @@ def test_moe_settings_a_model_cannot_take_are_refused_before_loading(
     assert not (tmp_path / "out").exists()
 
 
+def stored_in_mxfp4(base: Path, folder: Path) -> Path:
+    """`base` (a gpt-oss) as its hub checkpoints are stored: each fused expert weight as MXFP4 blocks (two 4-bit
+    floats a byte, 32 to a block) and one power-of-two scale a block, `quantization_config` saying so. The codes are
+    random: what they stand for is what transformers dequantizes them to."""
+    shutil.copytree(base, folder)
+    tensors = load_file(base / "model.safetensors")
+    generator = torch.Generator().manual_seed(1)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = tensors.pop(name).shape
+        blocks = (experts, outputs, inputs // 32)
+        tensors[f"{name}_blocks"] = torch.randint(0, 256, (*blocks, 16), generator=generator, dtype=torch.uint8)
+        tensors[f"{name}_scales"] = torch.randint(120, 128, blocks, generator=generator, dtype=torch.uint8)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                     "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 @pytest.mark.multiprocess
-def test_gpt_oss_trains_with_eager_attention_and_keeps_its_fused_names(tmp_path_factory, demo_assets, moe_bases):
+def test_gpt_oss_trains_from_mxfp4_with_eager_attention_and_exports_plain_weights(
+    tmp_path_factory, demo_assets, moe_bases
+):
     """gpt-oss: its heads add learned sinks, which transformers' sdpa path lacks (refused before loading, naming
-    what runs); with eager attention it trains on 2 processes and exports under the names its hub files have."""
+    what runs); its hub experts are MXFP4, dequantized on load; with eager attention it trains on 2 processes and
+    exports plain weights under its fused names, without the quantization (transformers' own save_pretrained of
+    such a model writes them under the MXFP4 names, which no loader reads as weights)."""
     from test_errors import assert_user_error, run_cli
 
+    base = stored_in_mxfp4(moe_bases["gpt_oss"], tmp_path_factory.mktemp("mxfp4") / "base")
     overrides = recipe_overrides(demo_assets, tmp_path_factory.mktemp("refused") / "out")
-    result = run_cli("train", str(DEMO_RECIPE), *overrides, f"model.name_or_path={moe_bases['gpt_oss']}")
+    result = run_cli("train", str(DEMO_RECIPE), *overrides, f"model.name_or_path={base}")
     assert_user_error(result, "transformers has no sdpa path for GptOssForCausalLM; set model.attn_implementation")
-    run = _moe_run(
-        tmp_path_factory, demo_assets, moe_bases["gpt_oss"], "gpt_oss", 2, **{"model.attn_implementation": "eager"}
-    )
-    with (
-        safe_open(run.output_dir / "final" / "model.safetensors", "pt") as f,
-        safe_open(moe_bases["gpt_oss"] / "model.safetensors", "pt") as hub,
-    ):
-        assert set(f.keys()) == set(hub.keys())  # noqa: SIM118
-    assert max_logits_difference(run.output_dir, run.output_dir / "final") <= 1e-5
+    run = _moe_run(tmp_path_factory, demo_assets, base, "gpt_oss", 2, **{"model.attn_implementation": "eager"})
+    final = run.output_dir / "final"
+    with safe_open(final / "model.safetensors", "pt") as f, safe_open(base / "model.safetensors", "pt") as hub:
+        names = set(f.keys())
+        assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in set(hub.keys())  # noqa: SIM118
+    with safe_open(moe_bases["gpt_oss"] / "model.safetensors", "pt") as plain:
+        assert names == set(plain.keys())  # noqa: SIM118
+    assert "quantization_config" not in json.loads((final / "config.json").read_text())
+    assert max_logits_difference(run.output_dir, final) <= 1e-5
     assert "experts: 2 of 4 per token (grouped_mm); routers in fp32; balancing loss x0.001" in run.log
 
 
