@@ -117,6 +117,22 @@ TOOLS = r"""{%- if tools %}{{- '<|im_start|>system\n# Tools\n<tools>' }}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{% endif %}"""
 
+# gpt-oss's harmony format: a system header of its own, the data's system message as a developer message, replies
+# on the final channel closed by <|end|>, except the conversation's last, closed by <|return|> (where generation
+# stops); the last reply's `thinking` on an analysis channel before it, earlier replies' dropped.
+HARMONY = r"""{{- '<|start|>system<|message|>You are ChatGPT, a large language model.\nReasoning: medium<|end|>' }}
+{%- if messages[0].role == 'system' %}{{- '<|start|>developer<|message|># Instructions\n\n' + messages[0].content
+    + '<|end|>' }}{% set messages = messages[1:] %}{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' %}
+{%- if m.thinking and loop.last %}{{- '<|start|>assistant<|channel|>analysis<|message|>' + m.thinking + '<|end|>' }}
+{%- endif %}
+{{- '<|start|>assistant<|channel|>final<|message|>' + m.content }}
+{%- if loop.last and not add_generation_prompt %}{{- '<|return|>' }}{% else %}{{- '<|end|>' }}{% endif %}
+{%- else %}{{- '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' }}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{% endif %}"""
+
 # template, bos, eos, pad, other special tokens
 FAMILIES = {
     "llama-3.1": (LLAMA_3_1, "<|begin_of_text|>", "<|eot_id|>", None, ["<|start_header_id|>", "<|end_header_id|>"]),
@@ -131,6 +147,7 @@ FAMILIES = {
     "gemma-2": (GEMMA_2, "<bos>", "<eos>", "<pad>", ["<start_of_turn>", "<end_of_turn>"]),
     "tools": (TOOLS, None, "<|im_end|>", "<|endoftext|>", ["<|im_start|>", "<tool_call>", "</tool_call>"]),
     "last-reply-only": (LAST_REPLY_ONLY, None, "<|endoftext|>", None, ["<|user|>", "<|assistant|>", "<|end|>"]),
+    "gpt-oss": (HARMONY, None, "<|return|>", None, ["<|start|>", "<|message|>", "<|channel|>", "<|end|>"]),
 }
 
 
@@ -177,6 +194,8 @@ SYSTEM_MULTI_TURN = turns(
         ("gemma-3", "2 1<end_of_turn>4 3<end_of_turn>"),  # system merged into the first user turn
         ("mistral-v0.3", " 2 1</s> 4 3</s>"),  # system dropped: the conversation ends with a reply
         ("phi-3", " 2 1 <|end|>4 3<|end|>"),  # <|endoftext|> after the last turn is not the reply's
+        # harmony: the last reply closes with <|return|>, the token generation stops at, trained as its end marker
+        ("gpt-oss", "<|channel|>final<|message|> 2 1 <|end|><|channel|>final<|message|>4 3<|return|>"),
     ],
 )
 def test_replies_are_trained_with_their_end_marker_and_nothing_else(base_tokenizer, family, expected):
@@ -655,3 +674,13 @@ def test_hermes_function_calling_data_renders_one_schema_block_and_one_result_wr
     assert texts["recipe"].count("get_weather") == 2 and "# Tools" not in texts["recipe"]
     for text in texts.values():
         assert text.count("<tool_response>") == 1 and '<tool_response>\n{"sky": "sunny"}\n</tool_response>' in text
+
+
+def test_reasoning_in_a_thinking_field_is_never_dropped_or_left_untrained(base_tokenizer):
+    """`thinking` (gpt-oss's data): harmony writes the last reply's on an analysis channel of its own, which is not
+    located yet, and other templates never read it; either way it is refused rather than trained around."""
+    messages = turns(("user", "reverse: 1 2"), ("assistant", "2 1"))
+    messages[1]["thinking"] = "swap them"
+    for family, message in (("gpt-oss", "writes as a message of its own"), ("qwen-2.5", "never renders")):
+        with pytest.raises(FinetuneError, match=f"sample 0, message 1 has `thinking`, which .*{message}"):
+            encode_chats([messages], family_tokenizer(base_tokenizer, family), True)

@@ -388,6 +388,19 @@ def _check_rendered_fields(messages: list[dict[str, Any]], template: str, index:
                 "no `tool_calls`): they would be dropped from training; set data.chat_template to a template that "
                 "renders tool calls, or write the calls into the reply's content"
             )
+        if message["role"] == "assistant" and str(message.get("thinking") or "").strip():
+            if "thinking" not in template:
+                raise FinetuneError(
+                    f"sample {index}, message {number} has `thinking`, which the chat template never renders (it "
+                    "reads no `thinking`): the reasoning would be dropped from training; name the field "
+                    "reasoning_content (rendered where the template puts reasoning, else as a <think> block), or "
+                    "remove it"
+                )
+            raise FinetuneError(
+                f"sample {index}, message {number} has `thinking`, which this chat template writes as a message of "
+                "its own before the reply (gpt-oss's analysis channel), where finetune does not yet locate it to "
+                "train it; remove the `thinking` field to train the final replies alone"
+            )
 
 
 def _reasoning_inline(message: dict[str, Any]) -> dict[str, Any]:
@@ -749,6 +762,9 @@ class TemplateShape:
     end_marker: str
     """What closes an assistant turn, through its first special token (e.g. "<|im_end|>"), or "" if the
     template closes assistant turns with nothing it closes user turns with."""
+    last_end_marker: str = ""
+    """What closes the reply that ends a conversation, through its first special token, where the template
+    closes that one otherwise (gpt-oss's harmony: `<|return|>`, the token generation stops at, for `<|end|>`)."""
 
 
 _SENTINEL = "\ue000{}\ue001"  # private-use characters: in no template, untouched by trim
@@ -797,7 +813,12 @@ def _template_shape(template: str, specials: tuple[str, ...], render: _Renderer)
     found = [(after_reply.find(token), token) for token in specials if token and token in after_reply]
     position, token = min(found, default=(-1, ""), key=lambda pair: (pair[0], -len(pair[1])))
     end_marker = after_reply[: position + len(token)] if position >= 0 else ""
-    return TemplateShape(reply_prefix, generation_prompt, end_marker)
+    ending = render(turns) or ""
+    after_last = ending.split(reply, 1)[1] if reply in ending else ""
+    found = [(after_last.find(token), token) for token in specials if token and token in after_last]
+    position, token = min(found, default=(-1, ""), key=lambda pair: (pair[0], -len(pair[1])))
+    last_end_marker = after_last[: position + len(token)] if position >= 0 else ""
+    return TemplateShape(reply_prefix, generation_prompt, end_marker, last_end_marker)
 
 
 def _reply_spans(
@@ -868,7 +889,12 @@ def _spans(
         start = _reply_start(text, bounds[first - 1][1] if first else 0, first_start, shape)
         following_end = bounds[j + 1][0] if j + 1 in bounds else len(text)
         marker = text.find(shape.end_marker, content_end, following_end) if shape.end_marker else -1
-        spans.append((start, marker + len(shape.end_marker) if marker >= 0 else content_end))
+        end = marker + len(shape.end_marker) if marker >= 0 else content_end
+        if marker < 0 and following_end == len(text) and shape.last_end_marker:
+            # The conversation's last reply, closed as only a last one is (harmony's <|return|>): trained too.
+            last = text.find(shape.last_end_marker, content_end)
+            end = last + len(shape.last_end_marker) if last >= 0 else end
+        spans.append((start, end))
         if thought is not None:
             reasoning.append(thought[:2])
         elif (think := _think_block(text, content_start, content_end)) is not None:
@@ -931,10 +957,15 @@ class _Skeleton:
             content, thought = at["reply", k], at.get(("reasoning", k), -1)
             first = thought if 0 <= thought < content else content
             header = _header_end(self.pieces[first - 1], self.shape)
-            marker = self.pieces[content + 1].find(self.shape.end_marker) if self.shape.end_marker else 0
+            after, shape = self.pieces[content + 1], self.shape
+            marker = after.find(shape.end_marker) if shape.end_marker else 0
+            end = marker + len(shape.end_marker)
+            if marker < 0 and content + 1 == len(self.pieces) - 1 and shape.last_end_marker:
+                last = after.find(shape.last_end_marker)  # the conversation's last reply, closed as `_spans` says
+                marker, end = last, last + len(shape.last_end_marker)
             if header is None or marker < 0:
                 return None
-            laid.append(_Laid(first - 1, header, content + 1, marker + len(self.shape.end_marker), content, thought))
+            laid.append(_Laid(first - 1, header, content + 1, end, content, thought))
         return laid
 
 
