@@ -4,7 +4,8 @@
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
-PY := $(VENV)/bin/python
+# VENV= (empty) runs an existing environment's $(PYTHON): a GPU machine's, which keeps its own torch.
+PY := $(if $(VENV),$(VENV)/bin/python,$(PYTHON))
 ACCELERATE := $(VENV)/bin/accelerate
 STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 
@@ -22,7 +23,7 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b train-70b train-qwen-7b train-mistral-7b \
 	train-8b-lora train-qwen-7b-lora train-70b-qlora train-qwen3-8b train-qwen3-30b-a3b train-qwen3-30b-a3b-lora train-qwen-7b-tools train-8b-dpo train-qwen-7b-dpo
-.PHONY: help setup demo demo-lora demo-dpo train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu test lint format clean
+.PHONY: help setup demo demo-lora demo-dpo train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu test test-gpu lint format clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -185,6 +186,9 @@ bench-gpu: $(STAMP) ## Llama-3.2-1B shape, bf16, seq 2048, FSDP2 on all GPUs: to
 
 test: lint ## lint, then the test suite (CPU only; multi-process tests use 2 processes over gloo)
 	$(OFFLINE) $(PY) -m pytest
+
+test-gpu: ## the CUDA tests, on a GPU machine (skipped with the reason elsewhere): make test-gpu PYTHON=python3 VENV=
+	$(OFFLINE) $(PY) -m pytest -m cuda -rs
 
 lint: $(STAMP) ## ruff check and format check
 	$(VENV)/bin/ruff check finetune tests bench

@@ -232,3 +232,15 @@ def per_sample_eval_loss(model, tokenizer, eval_path: Path) -> float:
             loss_sum += batch_loss(model, batch, "full_logits").total.item()
             num_targets += int((batch["target_ids"] != IGNORE).sum())
     return loss_sum / num_targets
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` run where a GPU is (`make test-gpu`); elsewhere they are skipped, saying why."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: run make test-gpu on a machine with one")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -124,7 +124,7 @@ def test_batch_flops_count_each_samples_attention():
     assert model_flops(model).batch(packed, num_tokens=48).item() == pytest.approx(expected)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's varlen kernel runs on CUDA only")
+@pytest.mark.cuda
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral"])
 def test_flash_varlen_kernel_matches_the_reference_on_gpu(architecture):
     reference, varlen = pair(architecture, dtype=torch.bfloat16)

@@ -197,7 +197,7 @@ def test_batches_collated_by_a_worker_as_on_gpus_are_the_in_process_ones():
             assert here.keys() == there.keys() and all(torch.equal(here[k], there[k]) for k in here), epoch
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode watches a GPU's stream")
+@pytest.mark.cuda
 def test_on_a_gpu_a_step_waits_for_the_device_once(model):
     import warnings
 
