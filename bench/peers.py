@@ -1,5 +1,5 @@
-"""What the peer scripts (trainer_ddp.py, trl_sft.py, trl_dpo.py) share: writing their step timings, leaving DDP
-cleanly."""
+"""What the peer scripts (trainer_ddp.py, trl_sft.py, trl_dpo.py) share: the TRL trainers' settings, writing their
+step timings, leaving DDP cleanly."""
 
 from __future__ import annotations
 
@@ -22,3 +22,24 @@ def close_ddp() -> None:
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def trainer_settings(out: str, micro_batch: int, steps: int, max_length: int) -> dict:
+    """What the TRL peers set alike: CPU DDP over gloo, a constant learning rate, clipping at 1, no saving or
+    reporting, logs once, no loader workers, seeded."""
+    return dict(
+        output_dir=out + ".trl", per_device_train_batch_size=micro_batch, max_steps=steps,
+        lr_scheduler_type="constant", max_grad_norm=1.0, use_cpu=True, ddp_backend="gloo", save_strategy="no",
+        report_to=[], logging_steps=steps, dataloader_num_workers=0, seed=0, max_length=max_length,
+    )  # fmt: skip
+
+
+def lora_settings(rank: int):
+    """LoRA as the finetune side trains it (every linear layer, alpha 2 x rank, no dropout); None for rank 0."""
+    from peft import LoraConfig
+
+    if rank <= 0:
+        return None
+    return LoraConfig(
+        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+    )

@@ -18,8 +18,7 @@ import time
 import datasets
 import torch
 import torch.distributed as dist
-from peers import close_ddp, write_steps
-from peft import LoraConfig
+from peers import close_ddp, lora_settings, trainer_settings, write_steps
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import DPOConfig, DPOTrainer
 
@@ -42,19 +41,10 @@ def main(model_dir: str, pairs_path: str, steps: int, micro_batch: int, max_leng
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pairs = datasets.load_dataset("json", data_files=pairs_path, split="train")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    arguments = DPOConfig(
-        output_dir=out + ".trl", per_device_train_batch_size=micro_batch, max_steps=steps, learning_rate=1e-5,
-        lr_scheduler_type="constant", max_grad_norm=1.0, use_cpu=True, ddp_backend="gloo", save_strategy="no",
-        report_to=[], logging_steps=steps, dataloader_num_workers=0, seed=0, max_length=max_length, beta=0.1,
-    )  # fmt: skip
-    lora = None
-    if rank > 0:
-        lora = LoraConfig(
-            r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
-        )
+    arguments = DPOConfig(**trainer_settings(out, micro_batch, steps, max_length), learning_rate=1e-5, beta=0.1)
     clock = StepClock()
     trainer = DPOTrainer(
-        model=model, args=arguments, train_dataset=pairs, processing_class=tokenizer, peft_config=lora,
+        model=model, args=arguments, train_dataset=pairs, processing_class=tokenizer, peft_config=lora_settings(rank),
         callbacks=[clock],
     )  # fmt: skip
     trainer.train()

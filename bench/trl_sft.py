@@ -20,8 +20,7 @@ import time
 import datasets
 import torch
 import torch.distributed as dist
-from peers import close_ddp, write_steps
-from peft import LoraConfig
+from peers import close_ddp, lora_settings, trainer_settings, write_steps
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
@@ -77,19 +76,15 @@ def main(
     # A mixture of experts adds its routers' balancing loss to the loss it computes from labels only when asked.
     model.config.output_router_logits = router_aux
     arguments = SFTConfig(
-        output_dir=out + ".trl", per_device_train_batch_size=micro_batch, max_steps=steps, learning_rate=1e-4,
-        lr_scheduler_type="constant", max_grad_norm=1.0, use_cpu=True, ddp_backend="gloo", save_strategy="no",
-        report_to=[], logging_steps=steps, dataloader_num_workers=0, seed=0, max_length=max_length, packing=True,
-        padding_free=True, completion_only_loss=True,
-    )  # fmt: skip
-    lora = None
-    if rank > 0:
-        lora = LoraConfig(
-            r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
-        )
+        **trainer_settings(out, micro_batch, steps, max_length),
+        learning_rate=1e-4,
+        packing=True,
+        padding_free=True,
+        completion_only_loss=True,
+    )
     clock = StepClock()
     trainer = SFTTrainer(
-        model=model, args=arguments, train_dataset=train, processing_class=tokenizer, peft_config=lora,
+        model=model, args=arguments, train_dataset=train, processing_class=tokenizer, peft_config=lora_settings(rank),
         callbacks=[clock],
     )  # fmt: skip
     collate = trainer.data_collator
