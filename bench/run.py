@@ -560,10 +560,10 @@ class Bench:
     def dpo(self) -> dict:
         """DPO (beta 0.1) against TRL's DPOTrainer with its defaults (bench/trl_dpo.py: DDP, chosen and rejected padded
         into one forward, a reference model run every step), 2 processes, same model, pairs and micro-batch of 8
-        pairs of varied lengths: pairs/s and the peak resident memory of the largest process. finetune runs packed,
-        its reference precomputed, under DDP (the same engine as TRL's) and FSDP2 (sharded). LoRA on every linear
-        layer: both take the policy with its adapters off as the reference. Also the precompute pass's time as a
-        fraction of one epoch of the same pairs."""
+        pairs of varied lengths, fp32 both: pairs/s, the peak resident memory of the largest process, and the rows'
+        fill. finetune runs packed, its reference precomputed, under DDP (the same engine as TRL's) and FSDP2. LoRA
+        on every linear layer: both take the policy with its adapters off as the reference. Also the precompute
+        pass's time as a fraction of one epoch of the same pairs."""
         size = SIZES["tiny" if self.quick else "dpo"]
         model = self.model(size)
         count, steps = (64, 4) if self.quick else (160, 8)
@@ -590,7 +590,9 @@ class Bench:
                 entries = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
                 steps_of = [e for e in entries if "loss" in e]
                 rate = _steady_rate([e["pairs"] for e in steps_of], [e["step_seconds"] for e in steps_of])
-                runs[f"finetune_{kind}_{engine}"].append({"pairs_per_second": rate, "peak_rss_bytes": peak})
+                fill = statistics.median(e["fill"] for e in steps_of)
+                measured = {"pairs_per_second": rate, "peak_rss_bytes": peak, "fill": fill}
+                runs[f"finetune_{kind}_{engine}"].append(measured)
                 if (kind, engine) == ("full", "ddp"):
                     self.curves.setdefault("finetune DPO (DDP)", [e["loss"] for e in steps_of])
                     said = re.search(r"precomputed with the initial weights in ([0-9.]+) s", log.read_text())
@@ -604,7 +606,8 @@ class Bench:
                 ])  # fmt: skip
                 trl = json.loads(result.read_text())
                 rate = _steady_rate(trl["pairs"], trl["step_seconds"])
-                runs[f"trl_{kind}"].append({"pairs_per_second": rate, "peak_rss_bytes": peak})
+                fill = sum(trl["tokens"]) / sum(trl["slots"])
+                runs[f"trl_{kind}"].append({"pairs_per_second": rate, "peak_rss_bytes": peak, "fill": fill})
         median = _medians(runs)
         return {
             "size": size.name,
@@ -1030,6 +1033,11 @@ def _dpo_rows(dpo: dict) -> list[str]:
                 f"{ratios['peak_rss']:.2f}x", f"<= {targets['peak_rss']}x",
             ),
         ]  # fmt: skip
+    ours, theirs = dpo["median"]["finetune_full_ddp"], dpo["median"]["trl_full"]
+    rows.append(
+        _row("DPO rows' fill, real tokens / token slots (finetune: packed; TRL: padded, full)",
+             f"{ours['fill']:.2f}", f"{theirs['fill']:.2f}")
+    )  # fmt: skip
     rows.append(
         _row(f"DPO reference precompute, fraction of one epoch of {dpo['pairs']} pairs (DDP)",
              f"{dpo['precompute_fraction_of_epoch']:.2f}", "(TRL: a reference forward every step)")

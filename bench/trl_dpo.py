@@ -24,17 +24,29 @@ from trl import DPOConfig, DPOTrainer
 
 
 class StepClock(TrainerCallback):
-    """Wall time of each optimizer step."""
+    """Wall time of each optimizer step, and the token slots (padding included) and real tokens its batches held,
+    over all processes: what the step computed on."""
 
     def __init__(self):
         self.step_seconds: list[float] = []
+        self.slots: list[int] = []
+        self.tokens: list[int] = []
+        self.counts = torch.zeros(2, dtype=torch.int64)
         self.began = 0.0
+
+    def count(self, batch: dict) -> dict:
+        self.counts += torch.tensor([batch["input_ids"].numel(), int(batch["attention_mask"].sum())])
+        return batch
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.began = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.step_seconds.append(time.perf_counter() - self.began)
+        dist.all_reduce(self.counts)
+        self.slots.append(int(self.counts[0]))
+        self.tokens.append(int(self.counts[1]))
+        self.counts = torch.zeros(2, dtype=torch.int64)
 
 
 def main(model_dir: str, pairs_path: str, steps: int, micro_batch: int, max_length: int, rank: int, out: str) -> None:
@@ -47,8 +59,11 @@ def main(model_dir: str, pairs_path: str, steps: int, micro_batch: int, max_leng
         model=model, args=arguments, train_dataset=pairs, processing_class=tokenizer, peft_config=lora_settings(rank),
         callbacks=[clock],
     )  # fmt: skip
+    collate = trainer.data_collator
+    trainer.data_collator = lambda features: clock.count(collate(features))
     trainer.train()
-    write_steps(out, clock.step_seconds, pairs=[micro_batch * dist.get_world_size()] * len(clock.step_seconds))
+    pairs = [micro_batch * dist.get_world_size()] * len(clock.step_seconds)
+    write_steps(out, clock.step_seconds, pairs=pairs, slots=clock.slots, tokens=clock.tokens)
     del trainer, model  # before the process group goes (close_ddp)
     close_ddp()
 
