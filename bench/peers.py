@@ -24,6 +24,13 @@ def close_ddp() -> None:
     dist.destroy_process_group()
 
 
+def train_counted(trainer, count) -> None:
+    """Train `trainer` with `count` shown every batch its collator makes (what the steps compute on)."""
+    collate = trainer.data_collator
+    trainer.data_collator = lambda features: count(collate(features))
+    trainer.train()
+
+
 def trainer_settings(out: str, micro_batch: int, steps: int, max_length: int) -> dict:
     """What the TRL peers set alike: CPU DDP over gloo, fp32 as finetune runs here (TRL's configs default to bf16
     autocast, on CPU too, which on a CPU with bf16 instructions halves the matmuls' time and the activations'

@@ -18,7 +18,7 @@ import time
 import datasets
 import torch
 import torch.distributed as dist
-from peers import close_ddp, lora_settings, trainer_settings, write_steps
+from peers import close_ddp, lora_settings, train_counted, trainer_settings, write_steps
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import DPOConfig, DPOTrainer
 
@@ -59,9 +59,7 @@ def main(model_dir: str, pairs_path: str, steps: int, micro_batch: int, max_leng
         model=model, args=arguments, train_dataset=pairs, processing_class=tokenizer, peft_config=lora_settings(rank),
         callbacks=[clock],
     )  # fmt: skip
-    collate = trainer.data_collator
-    trainer.data_collator = lambda features: clock.count(collate(features))
-    trainer.train()
+    train_counted(trainer, clock.count)
     pairs = [micro_batch * dist.get_world_size()] * len(clock.step_seconds)
     write_steps(out, clock.step_seconds, pairs=pairs, slots=clock.slots, tokens=clock.tokens)
     del trainer, model  # before the process group goes (close_ddp)

@@ -20,7 +20,7 @@ import time
 import datasets
 import torch
 import torch.distributed as dist
-from peers import close_ddp, lora_settings, trainer_settings, write_steps
+from peers import close_ddp, lora_settings, train_counted, trainer_settings, write_steps
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
@@ -87,9 +87,7 @@ def main(
         model=model, args=arguments, train_dataset=train, processing_class=tokenizer, peft_config=lora_settings(rank),
         callbacks=[clock],
     )  # fmt: skip
-    collate = trainer.data_collator
-    trainer.data_collator = lambda features: clock.count(collate(features))
-    trainer.train()
+    train_counted(trainer, clock.count)
     write_steps(out, clock.step_seconds, target_tokens=clock.target_tokens)
     del trainer, model  # before the process group goes (close_ddp)
     close_ddp()

@@ -66,13 +66,18 @@ def boundaries(position_ids: torch.Tensor, cu: torch.Tensor | None = None) -> di
     collator found them on the host: finding them on a GPU would stall the host). The longest sample is
     given as the row length, which bounds it: the kernel only sizes its grid by it, and a number that
     never changes keeps compiled layers from recompiling for each batch."""
-    if cu is None:
-        positions = position_ids.reshape(-1)
-        starts = torch.nonzero(positions == 0).reshape(-1)
-        end = torch.tensor([positions.numel()], device=positions.device)
-        cu = torch.cat([starts, end]).to(torch.int32)  # cumulative sample lengths, from 0
+    cu = cu if cu is not None else cumulative_lengths(position_ids)
     longest = position_ids.shape[-1]
     return dict(zip(BOUNDARY_KWARGS, (cu, cu, longest, longest), strict=True))
+
+
+def cumulative_lengths(position_ids: torch.Tensor) -> torch.Tensor:
+    """Where each sample of packed rows starts once they are flattened into one (its positions restart at 0),
+    and their end: the cumulative sample lengths from 0, as varlen kernels take them."""
+    positions = position_ids.reshape(-1)
+    starts = torch.nonzero(positions == 0).reshape(-1)
+    end = torch.tensor([positions.numel()], device=positions.device)
+    return torch.cat([starts, end]).to(torch.int32)
 
 
 def varlen_attention(

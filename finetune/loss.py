@@ -8,9 +8,9 @@ Two paths, chosen by `train.loss`:
 - `chunked` (the default): the output projection keeps only the positions that have a target (their
   indices come with the batch, `kept_index`), and it runs with the cross-entropy inside one autograd
   function, a chunk of rows at a time, so a chunk's logits exist only while its loss and gradients are
-  computed. The gradients are computed
-  in the forward: the loss is a sum, so backward only scales them by one number. That costs the same
-  three matmuls as the reference, and nothing of the logits' size is kept for backward.
+  computed. The gradients are computed in the forward: the loss is a sum, so backward only scales them
+  by one number. That costs the same three matmuls as the reference, and nothing of the logits' size is
+  kept for backward.
 
 The projection must run inside the model's own forward: under FSDP the head's parameters are
 gathered by the forward hooks of its unit (or of the root), which fire only around that call. So
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from finetune import attention
 from finetune.data import IGNORE
+from finetune.data.pack import kept_positions
 
 LossPath = Literal["chunked", "full_logits"]
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
@@ -82,9 +83,7 @@ def target_positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     flash paths keep that order). The collators computed them on the host (`kept_index`): found here, on a
     GPU, they would stall the host until the device caught up (`nonzero` must know how many there are)."""
     kept = batch.get("kept_index")
-    if kept is None:
-        kept = (batch["target_ids"].reshape(-1) != IGNORE).nonzero().reshape(-1)
-    return kept
+    return kept if kept is not None else kept_positions(batch["target_ids"])
 
 
 def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -72,7 +72,7 @@ class ExpertUpdates:
     device. Each update is PEFT's: per expert e, B_e @ A_e times the scaling, in the parameter's layout."""
 
     def __init__(self, model: torch.nn.Module, config: dict, adapter: dict[str, torch.Tensor]):
-        self.scaling = config["lora_alpha"] / (math.sqrt(config["r"]) if config.get("use_rslora") else config["r"])
+        self.scaling = _scaling(config)
         self.parts: dict[str, tuple[torch.Tensor, torch.Tensor, int, bool]] = {}  # parameter -> A, B, experts, swap
         self.pieces: dict[str, str] = {}  # name in the base's files -> the fused parameter it is (part of)
         self.shapes: dict[str, torch.Size] = {}
@@ -98,6 +98,11 @@ class ExpertUpdates:
         b = b.float().reshape(b.shape[0], -1, experts)  # out x r x experts
         delta = torch.einsum("o r e, e r i -> e o i" if swapped else "o r e, e r i -> e i o", b, a) * self.scaling
         return self.hub.convert(parameter, delta) if self.hub is not None else {parameter: delta}
+
+
+def _scaling(config: dict) -> float:
+    """The factor of every update B @ A of an adapter (PEFT's adapter_config): alpha / r, or alpha / sqrt(r)."""
+    return config["lora_alpha"] / (math.sqrt(config["r"]) if config.get("use_rslora") else config["r"])
 
 
 def _parameter_wrappers(model: torch.nn.Module, config: dict) -> dict[str, tuple[str, int, bool]]:
@@ -153,7 +158,7 @@ class MergedWeights(CheckpointWeights):
         super().__init__(base.shapes, base.dtypes)
         self.base, self.transposed, self.quantized, self.experts = base, transposed, quantized, experts
         self.as_trained = set(quantized["weights"]) if quantized else set()
-        self.scaling = config["lora_alpha"] / (math.sqrt(config["r"]) if config.get("use_rslora") else config["r"])
+        self.scaling = _scaling(config)
         self.parts: dict[str, dict[str, torch.Tensor]] = {}  # "<module>.weight" -> lora_A, lora_B, magnitude
         self.replaced: dict[str, torch.Tensor] = {}  # modules_to_save: trained in full
         for key, tensor in adapter.items():

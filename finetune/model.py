@@ -269,9 +269,10 @@ def load_model(
         varlen.register()
     try:
         config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
-        quantization = quantization if quantization is not None else dequantizing(config)
-        if dequantizing(config) is not None:
+        dequantize = dequantizing(config)
+        if dequantize is not None:
             del config.quantization_config  # the model built below holds plain weights
+        quantization = quantization if quantization is not None else dequantize
         if read_weights:
             # Passed only when given: an explicit None would also drop the quantization of a base saved quantized.
             quantized = {"quantization_config": quantization} if quantization is not None else {}

@@ -809,16 +809,20 @@ def _template_shape(template: str, specials: tuple[str, ...], render: _Renderer)
     if reply not in closing or user2 not in closing:
         closing = (render(turns) or "") + user2
     after_reply = closing.split(reply, 1)[1].split(user2, 1)[0] if reply in closing else ""
-    # The end marker: through the first special token after the reply, if the template writes one there.
-    found = [(after_reply.find(token), token) for token in specials if token and token in after_reply]
-    position, token = min(found, default=(-1, ""), key=lambda pair: (pair[0], -len(pair[1])))
-    end_marker = after_reply[: position + len(token)] if position >= 0 else ""
     ending = render(turns) or ""
     after_last = ending.split(reply, 1)[1] if reply in ending else ""
-    found = [(after_last.find(token), token) for token in specials if token and token in after_last]
+    return TemplateShape(
+        reply_prefix, generation_prompt, _through_first_special(after_reply, specials),
+        _through_first_special(after_last, specials),
+    )  # fmt: skip
+
+
+def _through_first_special(text: str, specials: tuple[str, ...]) -> str:
+    """`text` through its first special token (the longest, where several start there), or "" without one: what
+    the template writes to close a reply, when it writes a marker there."""
+    found = [(text.find(token), token) for token in specials if token and token in text]
     position, token = min(found, default=(-1, ""), key=lambda pair: (pair[0], -len(pair[1])))
-    last_end_marker = after_last[: position + len(token)] if position >= 0 else ""
-    return TemplateShape(reply_prefix, generation_prompt, end_marker, last_end_marker)
+    return text[: position + len(token)] if position >= 0 else ""
 
 
 def _reply_spans(

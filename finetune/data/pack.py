@@ -9,6 +9,7 @@ from typing import Any
 import datasets
 import torch
 
+from finetune.attention import cumulative_lengths
 from finetune.chatter import no_datasets_bars
 from finetune.data.tokenize import IGNORE
 
@@ -98,12 +99,15 @@ def with_host_indices(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     stalls the host until the GPU catches up: `kept_index`, the positions with a target in the rows flattened
     (finetune.loss); for packed rows `cu_seq_lens`, where each sample starts in them and their end (the varlen
     path's boundaries, finetune.attention). Computed here, on the host, as the batch is collated."""
-    batch["kept_index"] = (batch["target_ids"].reshape(-1) != IGNORE).nonzero().reshape(-1)
+    batch["kept_index"] = kept_positions(batch["target_ids"])
     if "position_ids" in batch:
-        positions = batch["position_ids"].reshape(-1)
-        starts = (positions == 0).nonzero().reshape(-1)
-        batch["cu_seq_lens"] = torch.cat([starts, torch.tensor([positions.numel()])]).to(torch.int32)
+        batch["cu_seq_lens"] = cumulative_lengths(batch["position_ids"])
     return batch
+
+
+def kept_positions(target_ids: torch.Tensor) -> torch.Tensor:
+    """The positions of rows of `target_ids` that have a target, as indices into the rows flattened."""
+    return (target_ids.reshape(-1) != IGNORE).nonzero().reshape(-1)
 
 
 def collate_padded(rows: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
