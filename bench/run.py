@@ -62,8 +62,10 @@ SIZES = {
     "tiny": Size("tiny", 128, 4, 384, 4),
     "small": Size("small", 256, 6, 768, 8),
     "medium": Size("medium", 512, 8, 1536, 8),
-    # 34M parameters: weights, gradients and optimizer states (and TRL's reference) outweigh the libraries.
-    "dpo": Size("dpo", 512, 8, 2048, 8),
+    # 66M parameters with a real model's vocabulary (32,000, Llama-2's and Mistral's): weights, gradients and
+    # optimizer states (and TRL's reference) outweigh the libraries, and the logits over the vocabulary, the largest
+    # activation of preference tuning (chosen and rejected, policy and reference), are what they are in practice.
+    "dpo": Size("dpo", 512, 8, 2048, 8, vocab=32000),
     # Several hundred million parameters, for the export comparison only (never trained beyond one step).
     "export": Size("export", 1024, 24, 2816, 16, vocab=32000),
 }
