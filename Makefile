@@ -22,7 +22,8 @@ MAIN_PROCESS_PORT ?= 29500
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b train-70b train-qwen-7b train-mistral-7b \
-	train-8b-lora train-qwen-7b-lora train-70b-qlora train-qwen3-8b train-qwen3-30b-a3b train-qwen3-30b-a3b-lora train-qwen-7b-tools train-8b-dpo train-qwen-7b-dpo
+	train-8b-lora train-qwen-7b-lora train-70b-qlora train-qwen3-8b train-qwen3-30b-a3b train-qwen3-30b-a3b-lora \
+	train-gpt-oss-20b-lora train-mixtral-lora train-qwen-7b-tools train-8b-dpo train-qwen-7b-dpo
 .PHONY: help setup demo demo-lora demo-dpo train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu test test-gpu lint format clean
 
 help: ## list the targets
@@ -139,6 +140,14 @@ train-qwen3-30b-a3b-lora: ## Qwen3-30B-A3B LoRA (attention and experts; routers 
 train-qwen3-30b-a3b-lora: RECIPE = recipes/qwen/qwen3-30b-a3b-lora.yaml
 train-qwen3-30b-a3b-lora: WRAP = Qwen3MoeDecoderLayer
 train-qwen3-30b-a3b-lora: NUM_PROCESSES = 1
+train-gpt-oss-20b-lora: ## gpt-oss-20b LoRA (attention; experts of layers 7, 15, 23), Multilingual-Thinking, 1 GPU, FSDP2
+train-gpt-oss-20b-lora: RECIPE = recipes/gpt-oss/gpt-oss-20b-lora.yaml
+train-gpt-oss-20b-lora: WRAP = GptOssDecoderLayer
+train-gpt-oss-20b-lora: NUM_PROCESSES = 1
+train-mixtral-lora: ## Mixtral-8x7B-Instruct LoRA (attention and every expert), UltraChat, 2 GPUs, FSDP2
+train-mixtral-lora: RECIPE = recipes/mistral/mixtral-8x7b-lora.yaml
+train-mixtral-lora: WRAP = MixtralDecoderLayer
+train-mixtral-lora: NUM_PROCESSES = 2
 train-qwen-7b-tools: ## Qwen2.5-7B-Instruct LoRA, tool calling (Hermes function-calling data), 1 GPU, FSDP2
 train-qwen-7b-tools: RECIPE = recipes/qwen/qwen2.5-7b-tools-lora.yaml
 train-qwen-7b-tools: WRAP = Qwen2DecoderLayer

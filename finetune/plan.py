@@ -36,6 +36,7 @@ from transformers import PreTrainedModel
 
 from finetune.config import RecipeConfig
 from finetune.errors import FinetuneError
+from finetune.family import Experts, experts_of, is_routed_expert
 from finetune.launch import STRATEGIES, Launch, recipe_launch_problems
 from finetune.model import DTYPES, check_attention, check_quantized_base, load_model_config, meta_model
 
@@ -59,10 +60,14 @@ class ModelShape:
     layers: int
     hidden: int
     intermediate: int
+    """The MLP width a token goes through: of a mixture of experts, its top k routed experts' (and shared ones')."""
     kv_hidden: int
     vocab: int
     trainable: int
     """Parameters that get gradients and optimizer state: all of them, or the adapters' (fp32)."""
+    heads: int = 0
+    routed: int = 0
+    """Of a mixture of experts, the routed experts a token goes through (its top k); 0 for a dense model."""
     adapters: bool = False
     quantizable: int = 0
     """Frozen weights of linear layers other than the output head: what QLoRA stores in 4 bits."""
@@ -120,6 +125,9 @@ def model_shape(model: PreTrainedModel) -> ModelShape:
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or hidden // heads
     intermediate = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
+    experts = experts_of(text)
+    if experts is not None:
+        intermediate = _active_mlp_width(units, experts, hidden, text.num_hidden_layers)
     return ModelShape(
         name=type(model).__name__,
         parameters=sum(p.numel() for p in model.parameters()),
@@ -129,6 +137,8 @@ def model_shape(model: PreTrainedModel) -> ModelShape:
         intermediate=intermediate,
         kv_hidden=kv_heads * head_dim,
         vocab=text.vocab_size,
+        heads=heads,
+        routed=experts.active if experts is not None else 0,
         trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
         adapters=adapters,
         quantizable=sum(
@@ -139,8 +149,26 @@ def model_shape(model: PreTrainedModel) -> ModelShape:
     )
 
 
+def _active_mlp_width(units: list[torch.nn.Module], experts: Experts, hidden: int, layers: int) -> int:
+    """The gated MLP width a token of a mixture of experts goes through, per layer: the weights outside attention
+    that it uses (top k of the routed experts, shared experts, dense MLP layers), over the 3 x hidden weights of
+    each unit of gated width (gate, up, down). The routers' few weights count too: they round it up."""
+    used = 0.0
+    for unit in units:
+        for name, parameter in unit.named_parameters():
+            if parameter.ndim < 2 or "attn" in name:  # norms and biases; attention's projections
+                continue
+            used += parameter.numel() * (experts.active_fraction if is_routed_expert(name) else 1.0)
+    return round(used / (3 * hidden * max(layers, 1)))
+
+
 def activation_bytes(
-    shape: ModelShape, tokens: int, compute_bytes: int, checkpointing: Policy, loss: LossPath = "chunked"
+    shape: ModelShape,
+    tokens: int,
+    compute_bytes: int,
+    checkpointing: Policy,
+    loss: LossPath = "chunked",
+    scores: int = 0,
 ) -> int:
     """Bytes saved for backward in one micro-batch of `tokens` tokens (batch x sequence).
 
@@ -154,8 +182,18 @@ def activation_bytes(
     With full activation checkpointing each layer keeps only its input, and one layer's activations
     exist again while it is recomputed in backward; with selective checkpointing it also keeps its
     matmul and attention outputs (q, k, v, attention, o, gate, up, down: 4h + 2kv + 2i values).
+
+    A mixture of experts' MLP width i is what a token goes through (its top k experts), and each of its k routed
+    copies also keeps its input and its expert's output (2h values each) until they are weighted and summed.
+
+    `scores`: the attention scores a layer materializes, where its attention is `eager` (heads x n^2 per row
+    of n tokens; sdpa and flash kernels keep none): each layer keeps the scores (c bytes) and their fp32 softmax
+    (4 bytes); selective checkpointing keeps the scores (a matmul's output) and recomputes the softmax; full
+    keeps neither, and has both once while a layer is recomputed.
     """
     per_layer = compute_bytes * (7 * shape.hidden + 3 * shape.kv_hidden + 4 * shape.intermediate)
+    per_layer += compute_bytes * 2 * shape.routed * shape.hidden
+    matrices = scores * (compute_bytes + 4)
     if compute_bytes < 4:
         per_layer += 2 * 2 * shape.hidden * 4
     if loss == "full_logits":
@@ -165,11 +203,11 @@ def activation_bytes(
             0 if shape.adapters else compute_bytes * shape.vocab * shape.hidden
         )
     if checkpointing == "full":
-        return tokens * (shape.layers * shape.hidden * compute_bytes + per_layer) + head
+        return tokens * (shape.layers * shape.hidden * compute_bytes + per_layer) + matrices + head
     if checkpointing == "selective":
         kept = compute_bytes * (5 * shape.hidden + 2 * shape.kv_hidden + 2 * shape.intermediate)
-        return tokens * (shape.layers * kept + per_layer) + head
-    return tokens * shape.layers * per_layer + head
+        return tokens * (shape.layers * kept + per_layer) + shape.layers * scores * compute_bytes + matrices + head
+    return shape.layers * (tokens * per_layer + matrices) + head
 
 
 def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: str) -> Estimate:
@@ -197,9 +235,12 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     else:  # DDP keeps full parameters; low-precision compute adds cast copies
         gather = shape.parameters * compute_bytes if compute_bytes != param_bytes else 0
     tokens = _sequences(recipe) * recipe.data.max_length
-    activations = activation_bytes(shape, tokens, compute_bytes, checkpointing="none", loss=recipe.train.loss)
-    checkpointed = activation_bytes(shape, tokens, compute_bytes, checkpointing="full", loss=recipe.train.loss)
-    selective = activation_bytes(shape, tokens, compute_bytes, checkpointing="selective", loss=recipe.train.loss)
+    # Eager attention materializes each row's n x n scores per head (a packed row's too: its mask is dense).
+    scores = tokens * recipe.data.max_length * shape.heads if recipe.model.attn_implementation == "eager" else 0
+    activations, checkpointed, selective = (
+        activation_bytes(shape, tokens, compute_bytes, policy, loss=recipe.train.loss, scores=scores)
+        for policy in ("none", "full", "selective")
+    )
     processes_per_host = launch.processes_per_machine
     full_model = shape.parameters * param_bytes
     # Loading: every process reads the full model, unless rank 0 alone does (cpu_ram_efficient_loading).

@@ -676,11 +676,49 @@ def test_hermes_function_calling_data_renders_one_schema_block_and_one_result_wr
         assert text.count("<tool_response>") == 1 and '<tool_response>\n{"sky": "sunny"}\n</tool_response>' in text
 
 
-def test_reasoning_in_a_thinking_field_is_never_dropped_or_left_untrained(base_tokenizer):
-    """`thinking` (gpt-oss's data): harmony writes the last reply's on an analysis channel of its own, which is not
-    located yet, and other templates never read it; either way it is refused rather than trained around."""
-    messages = turns(("user", "reverse: 1 2"), ("assistant", "2 1"))
-    messages[1]["thinking"] = "swap them"
-    for family, message in (("gpt-oss", "writes as a message of its own"), ("qwen-2.5", "never renders")):
-        with pytest.raises(FinetuneError, match=f"sample 0, message 1 has `thinking`, which .*{message}"):
-            encode_chats([messages], family_tokenizer(base_tokenizer, family), True)
+def test_reasoning_in_either_field_is_written_where_the_template_reads_it_and_trained(base_tokenizer):
+    """gpt-oss's data gives reasoning as `thinking`, Qwen3's as `reasoning_content`: either trains on either
+    template, where it reads its own field. Harmony writes the last reply's on an analysis channel before its
+    final one: trained from the channel that follows the generation prompt through <|return|>, as the model
+    generates it (the reasoning's text kept as context only with train_on_reasoning=false); earlier replies'
+    reasoning is dropped as the template drops it. A template that reads neither field gets a <think> block,
+    even one that names `thinking` for something else (a switch)."""
+    question = turns(("system", "Be brief."), ("user", "reverse: 1 2"), ("assistant", "2 1"), ("user", "and 3 4"))
+    harmony = family_tokenizer(base_tokenizer, "gpt-oss")
+    for field in ("thinking", "reasoning_content"):
+        messages = [*question[:2], {**question[2], field: "drop me"}, question[3],
+                    {"role": "assistant", "content": "4 3", field: "swap them"}]  # fmt: skip
+        [(ids, trained)] = encode_chats([messages], harmony, True)
+        text = harmony.decode(ids)
+        assert "drop me" not in text and "<|channel|>analysis<|message|>swap them<|end|>" in text
+        assert harmony.decode([i for i, t in zip(ids, trained, strict=True) if t]) == (
+            "<|channel|>final<|message|>2 1<|end|>"
+            "<|channel|>analysis<|message|>swap them<|end|><|start|>assistant<|channel|>final<|message|>4 3<|return|>"
+        )
+    cfg = DataConfig(train_path="x", max_length=256, packing=False, train_on_reasoning=False)
+    rows, stats = prepare_split(datasets.Dataset.from_list([{"messages": messages}]), harmony, cfg, 0)
+    trained = harmony.decode([t for t in rows[0]["target_ids"] if t != IGNORE])
+    assert "swap" not in trained and trained.endswith(
+        "<|end|><|start|>assistant<|channel|>final<|message|>4 3<|return|>"
+    )
+    assert stats.num_reasoning_tokens == len(harmony("swap them", add_special_tokens=False)["input_ids"])
+    think = turns(("user", "reverse: 1 2"), ("assistant", "<think>swap them</think>2 1"))  # a think block: the same
+    given = [think[0], {"role": "assistant", "content": "2 1", "thinking": "swap them"}]
+    assert encoded_trained(harmony, think) == trained_and_ids(harmony, given)[0]
+    qwen3 = family_tokenizer(base_tokenizer, "qwen-3")
+    assert (
+        trained_and_ids(qwen3, think)[0]
+        == encoded_trained(qwen3, given)
+        == ("<think>\nswap them\n</think>\n\n2 1<|im_end|>")
+    )
+    switch = family_tokenizer(base_tokenizer, "qwen-2.5")
+    switch.chat_template = "{%- if enable_thinking is defined %}{% endif %}" + switch.chat_template
+    assert encoded_trained(switch, given) == "<think>\nswap them\n</think>\n\n2 1<|im_end|>"
+    both = [think[0], {**given[1], "reasoning_content": "swap"}]
+    with pytest.raises(FinetuneError, match="sample 0, message 1 has both reasoning_content and thinking"):
+        encode_chats([both], harmony, True)
+
+
+def encoded_trained(tokenizer, messages: list[dict]) -> str:
+    [(ids, trained)] = encode_chats([messages], tokenizer, True)
+    return tokenizer.decode([i for i, t in zip(ids, trained, strict=True) if t])

@@ -130,6 +130,40 @@ def test_active_parameters_count_the_routed_experts_a_token_goes_through(model_t
     assert active_parameters(model) == pytest.approx(everything - routed + routed * fraction)
 
 
+@pytest.mark.parametrize(
+    ("model_type", "attention"), [("qwen3_moe", "sdpa"), ("mixtral", "sdpa"), ("gpt_oss", "eager")]
+)
+def test_plan_counts_the_activations_of_routed_experts_and_of_eager_attention(model_type, attention):
+    """`finetune plan`'s activation estimate against the bytes a forward saves for backward: a mixture of experts'
+    MLP is as wide as the top k experts a token goes through (plus its routed copies), and eager attention (which
+    gpt-oss needs) keeps each layer's n x n scores, which dwarf the rest at a few hundred tokens."""
+    from finetune.plan import activation_bytes, model_shape
+
+    torch.manual_seed(0)
+    config = tiny_config(model_type, hidden_size=128, head_dim=32, moe_intermediate_size=64, vocab_size=256)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+    rows, length = 2, 256
+    ids = torch.randint(0, 256, (rows, length))
+    storages: dict[int, int] = {}
+
+    def saved(tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, torch.nn.Parameter) and not isinstance(tensor._base, torch.nn.Parameter):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(saved, lambda tensor: tensor):
+        logits = model(ids, use_cache=False).logits
+        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+    shape = model_shape(model)
+    top_k = 2 * (64 if model_type != "mixtral" else config.intermediate_size)  # routers, biases: a few more
+    assert shape.intermediate == pytest.approx(top_k, rel=0.05)
+    scores = rows * length * length * shape.heads if attention == "eager" else 0
+    estimate = activation_bytes(shape, rows * length, 4, "none", loss="full_logits", scores=scores)
+    assert estimate == pytest.approx(sum(storages.values()), rel=0.25)
+    if scores:  # without the scores the estimate falls outside the tolerance
+        assert activation_bytes(shape, rows * length, 4, "none", loss="full_logits") < 0.75 * sum(storages.values())
+
+
 def test_model_flops_of_qwen3_30b_a3b_and_gpt_oss_20b_count_their_active_parameters():
     """6 N per token with N counted by hand from the published shapes: the attention, norms, router and
     head whole, top_k of the experts (Qwen3-30B-A3B: 8 of 128; gpt-oss-20b: 4 of 32, with biases and sinks)."""

@@ -308,7 +308,7 @@ def _check(
 ) -> _Batch:
     """Each conversation checked and normalized (`chat_messages`), with its tools parsed."""
     template = tokenizer.chat_template or ""
-    knows_reasoning = "reasoning_content" in template
+    field = reasoning_field(tokenizer)
     wraps_tool_results = _TOOL_RESPONSE[0] in template
     checked, parsed, roles, contents, untrained = [], [], [], [], []
     for messages, schemas, index in zip(conversations, tools, indices, strict=True):
@@ -320,10 +320,10 @@ def _check(
                 messages = [_unwrapped_tool_result(message) for message in messages]
             messages, skipped = _weights(messages, index)
             _check_rendered_fields(messages, template, index)
-            if not knows_reasoning:
-                messages = [_reasoning_inline(message) for message in messages]
-        if knows_reasoning:
-            apart = [_reasoning_apart(message, index) for message in messages]
+            messages = [_reasoning_for(message, field, f"sample {index}, message {n}") for n, message in
+                        enumerate(messages)]  # fmt: skip
+        if field is not None:
+            apart = [_reasoning_apart(message, field, index) for message in messages]
             if any(map(operator.is_not, apart, messages)):
                 messages, plain = apart, None
         schemas = chat_tools(schemas, index) if schemas is not None else None
@@ -388,30 +388,46 @@ def _check_rendered_fields(messages: list[dict[str, Any]], template: str, index:
                 "no `tool_calls`): they would be dropped from training; set data.chat_template to a template that "
                 "renders tool calls, or write the calls into the reply's content"
             )
-        if message["role"] == "assistant" and str(message.get("thinking") or "").strip():
-            if "thinking" not in template:
-                raise FinetuneError(
-                    f"sample {index}, message {number} has `thinking`, which the chat template never renders (it "
-                    "reads no `thinking`): the reasoning would be dropped from training; name the field "
-                    "reasoning_content (rendered where the template puts reasoning, else as a <think> block), or "
-                    "remove it"
-                )
-            raise FinetuneError(
-                f"sample {index}, message {number} has `thinking`, which this chat template writes as a message of "
-                "its own before the reply (gpt-oss's analysis channel), where finetune does not yet locate it to "
-                "train it; remove the `thinking` field to train the final replies alone"
-            )
 
 
-def _reasoning_inline(message: dict[str, Any]) -> dict[str, Any]:
-    """For a template that does not take `reasoning_content`, the reasoning written where such data has it:
-    a leading <think> block of the content, which is trained (or kept as context) and counted like any."""
-    reasoning = message.get("reasoning_content")
-    if reasoning is None:
+# The fields a reply's reasoning comes in, by the templates that read them: `reasoning_content` (Qwen3, DeepSeek-R1
+# and most reasoning data), `thinking` (gpt-oss's harmony, which writes it on an analysis channel before the reply).
+REASONING_FIELDS = ("reasoning_content", "thinking")
+
+
+def reasoning_field(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The field the tokenizer's chat template writes a reply's reasoning from, or None if it writes none."""
+    return _reasoning_field(_Renderer(tokenizer)) if tokenizer.chat_template else None
+
+
+@functools.lru_cache(maxsize=8)
+def _reasoning_field(render: _Renderer) -> str | None:
+    # Rendered, not searched for: a template may name `thinking` for something else (Qwen3's `enable_thinking`).
+    probe = _SENTINEL.format("probe")
+    for field in REASONING_FIELDS:
+        text = render([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", field: probe}])
+        if text is not None and probe in text:
+            return field
+    return None
+
+
+def _reasoning_for(message: dict[str, Any], field: str | None, where: str) -> dict[str, Any]:
+    """The message with its reasoning where the template reads it: under the template's field whichever of the
+    two the data used, or, for a template that reads none, as a leading <think> block of the content (as such
+    data writes it), trained (or kept as context) and counted like any."""
+    given = [name for name in REASONING_FIELDS if name in message]
+    if not given:
         return message
-    rest = {key: value for key, value in message.items() if key != "reasoning_content"}
+    if len(given) > 1:
+        raise FinetuneError(f"{where} has both {' and '.join(given)}; give its reasoning in one of them")
+    if given[0] == field:
+        return message
+    reasoning = message[given[0]]
+    rest = {key: value for key, value in message.items() if key != given[0]}
     if not str(reasoning).strip():
         return rest
+    if field is not None:
+        return {**rest, field: reasoning}
     return {**rest, "content": f"<think>\n{str(reasoning).strip()}\n</think>\n\n{message.get('content') or ''}"}
 
 
@@ -467,23 +483,20 @@ def _render_or_none(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str,
         return None
 
 
-def _reasoning_apart(message: dict[str, Any], index: int = -1) -> dict[str, Any]:
+def _reasoning_apart(message: dict[str, Any], field: str, index: int = -1) -> dict[str, Any]:
     """An assistant message with a leading <think> block in its content, as the same message with the block
-    in `reasoning_content`, for templates that take that field: they render both alike, and with the
-    reasoning apart, the content alone can be replaced by a placeholder to locate the reply."""
+    in the template's reasoning `field`: templates that take `reasoning_content` render both alike (harmony
+    writes `thinking` on its analysis channel, where a model trained on it reasons), and with the reasoning
+    apart, the content alone can be replaced by a placeholder to locate the reply."""
     content = message.get("content")
-    if message["role"] != "assistant" or "reasoning_content" in message or not isinstance(content, str):
+    if message["role"] != "assistant" or field in message or not isinstance(content, str):
         return message
     if not content.lstrip().startswith("<think>"):
         return message
     if "</think>" not in content:
         raise unclosed_think(index)
     reasoning, _, answer = content.partition("</think>")
-    return {
-        **message,
-        "content": answer.lstrip("\n"),
-        "reasoning_content": reasoning.split("<think>", 1)[1].strip("\n"),
-    }
+    return {**message, "content": answer.lstrip("\n"), field: reasoning.split("<think>", 1)[1].strip("\n")}
 
 
 @dataclass(slots=True)
@@ -836,8 +849,8 @@ def _reply_spans(
         if replaced is None:
             return None
         message = replaced[0]
-        if str(message.get("reasoning_content") or "").strip():
-            message = {**message, "reasoning_content": _SENTINEL.format(f"r{k}")}
+        if (field := _reasoning_of(message)) is not None:
+            message = {**message, field: _SENTINEL.format(f"r{k}")}
         placeholders[i] = message
     marked = chat.render(placeholders)
     # The placeholders in the order the template wrote them: every reply once, its reasoning once or
@@ -1046,10 +1059,18 @@ def _placeholders(message: dict[str, Any], i: int) -> tuple[dict[str, Any], dict
     replaced = _with_placeholder(message, _SENTINEL.format(f"c{i}"))
     if replaced is not None:
         message, values[f"c{i}"] = replaced
-    reasoning = message.get("reasoning_content")
-    if isinstance(reasoning, str) and reasoning.strip():
-        message, values[f"r{i}"] = {**message, "reasoning_content": _SENTINEL.format(f"r{i}")}, reasoning
+    if (field := _reasoning_of(message)) is not None:
+        message, values[f"r{i}"] = {**message, field: _SENTINEL.format(f"r{i}")}, message[field]
     return message, values
+
+
+def _reasoning_of(message: dict[str, Any]) -> str | None:
+    """The field holding a message's reasoning as text (checked messages have at most one), or None."""
+    for field in REASONING_FIELDS:
+        reasoning = message.get(field)
+        if isinstance(reasoning, str) and reasoning.strip():
+            return field
+    return None
 
 
 def _filled_spans(
