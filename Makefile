@@ -11,7 +11,8 @@ STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 
 DEMO_DIR := outputs/demo
 DEMO_RECIPE := recipes/demo/tiny_llama.yaml
-# Launch settings; every train-* target has its own defaults and takes these as overrides.
+# Launch settings; every train-* target has its own defaults and takes these as overrides (the one-GPU targets
+# run single_gpu.yaml; CONFIG=accelerate_configs/fsdp2_full_shard.yaml NUM_PROCESSES=8 shards them with their WRAP).
 CONFIG ?= accelerate_configs/fsdp2_full_shard.yaml
 NUM_PROCESSES ?= 2
 NUM_MACHINES ?= 1
@@ -121,36 +122,42 @@ train-mistral-7b: RECIPE = recipes/mistral/mistral-7b.yaml
 train-mistral-7b: WRAP = MistralDecoderLayer
 train-mistral-7b: CONFIG = accelerate_configs/single_node.yaml
 train-mistral-7b: NUM_PROCESSES = 8
-train-8b-lora: ## Llama-3.1-8B-Instruct LoRA, UltraChat, 1 GPU, FSDP2 (more: NUM_PROCESSES=8)
+train-8b-lora: ## Llama-3.1-8B-Instruct LoRA, UltraChat, 1 GPU, no FSDP
 train-8b-lora: RECIPE = recipes/llama/llama-3.1-8b-lora.yaml
+train-8b-lora: CONFIG = accelerate_configs/single_gpu.yaml
 train-8b-lora: NUM_PROCESSES = 1
-train-qwen-7b-lora: ## Qwen2.5-7B-Instruct LoRA, UltraChat, 1 GPU, FSDP2 (more: NUM_PROCESSES=8)
+train-qwen-7b-lora: ## Qwen2.5-7B-Instruct LoRA, UltraChat, 1 GPU, no FSDP
 train-qwen-7b-lora: RECIPE = recipes/qwen/qwen2.5-7b-lora.yaml
 train-qwen-7b-lora: WRAP = Qwen2DecoderLayer
+train-qwen-7b-lora: CONFIG = accelerate_configs/single_gpu.yaml
 train-qwen-7b-lora: NUM_PROCESSES = 1
 train-8b-dpo: ## Llama-3.1-8B-Instruct DPO (full), UltraFeedback, 8 GPUs, single-node preset
 train-8b-dpo: RECIPE = recipes/llama/llama-3.1-8b-dpo.yaml
 train-8b-dpo: CONFIG = accelerate_configs/single_node.yaml
 train-8b-dpo: NUM_PROCESSES = 8
-train-qwen-7b-dpo: ## Qwen2.5-7B-Instruct DPO with LoRA, UltraFeedback, 1 GPU, FSDP2
+train-qwen-7b-dpo: ## Qwen2.5-7B-Instruct DPO with LoRA, UltraFeedback, 1 GPU, no FSDP
 train-qwen-7b-dpo: RECIPE = recipes/qwen/qwen2.5-7b-dpo-lora.yaml
 train-qwen-7b-dpo: WRAP = Qwen2DecoderLayer
+train-qwen-7b-dpo: CONFIG = accelerate_configs/single_gpu.yaml
 train-qwen-7b-dpo: NUM_PROCESSES = 1
-train-qwen3-30b-a3b-lora: ## Qwen3-30B-A3B LoRA (attention and experts; routers left alone), UltraChat, 1 GPU, FSDP2
+train-qwen3-30b-a3b-lora: ## Qwen3-30B-A3B LoRA (attention and experts; routers left alone), UltraChat, 1 GPU, no FSDP
 train-qwen3-30b-a3b-lora: RECIPE = recipes/qwen/qwen3-30b-a3b-lora.yaml
 train-qwen3-30b-a3b-lora: WRAP = Qwen3MoeDecoderLayer
+train-qwen3-30b-a3b-lora: CONFIG = accelerate_configs/single_gpu.yaml
 train-qwen3-30b-a3b-lora: NUM_PROCESSES = 1
-train-gpt-oss-20b-lora: ## gpt-oss-20b LoRA (attention; experts of layers 7, 15, 23), Multilingual-Thinking, 1 GPU, FSDP2
+train-gpt-oss-20b-lora: ## gpt-oss-20b LoRA (attention; experts of layers 7, 15, 23), Multilingual-Thinking, 1 GPU, no FSDP
 train-gpt-oss-20b-lora: RECIPE = recipes/gpt-oss/gpt-oss-20b-lora.yaml
 train-gpt-oss-20b-lora: WRAP = GptOssDecoderLayer
+train-gpt-oss-20b-lora: CONFIG = accelerate_configs/single_gpu.yaml
 train-gpt-oss-20b-lora: NUM_PROCESSES = 1
 train-mixtral-lora: ## Mixtral-8x7B-Instruct LoRA (attention and every expert), UltraChat, 2 GPUs, FSDP2
 train-mixtral-lora: RECIPE = recipes/mistral/mixtral-8x7b-lora.yaml
 train-mixtral-lora: WRAP = MixtralDecoderLayer
 train-mixtral-lora: NUM_PROCESSES = 2
-train-qwen-7b-tools: ## Qwen2.5-7B-Instruct LoRA, tool calling (Hermes function-calling data), 1 GPU, FSDP2
+train-qwen-7b-tools: ## Qwen2.5-7B-Instruct LoRA, tool calling (Hermes function-calling data), 1 GPU, no FSDP
 train-qwen-7b-tools: RECIPE = recipes/qwen/qwen2.5-7b-tools-lora.yaml
 train-qwen-7b-tools: WRAP = Qwen2DecoderLayer
+train-qwen-7b-tools: CONFIG = accelerate_configs/single_gpu.yaml
 train-qwen-7b-tools: NUM_PROCESSES = 1
 train-70b-qlora: ## Llama-3.1-70B-Instruct QLoRA (4-bit base), UltraChat, 2 x 48 GB GPUs, FSDP2
 train-70b-qlora: RECIPE = recipes/llama/llama-3.1-70b-qlora.yaml
@@ -190,7 +197,7 @@ plan: $(STAMP) ## memory per device for RECIPE under CONFIG on NUM_PROCESSES dev
 bench: $(STAMP) ## speed and memory vs hand-written FSDP2, Trainer, merge-weights, TRL, PEFT; LoRA; scaling (CPU, ~40 min)
 	$(OFFLINE) $(PY) bench/run.py $(if $(REPEATS),--repeats $(REPEATS)) $(if $(ONLY),--only $(ONLY))
 
-bench-gpu: $(STAMP) ## Llama-3.2-1B shape, bf16, seq 2048, FSDP2 on all GPUs: tokens/s, MFU, peak memory
+bench-gpu: $(STAMP) ## Llama-3.2-1B shape, bf16, seq 2048, all GPUs (one: no FSDP): tokens/s, MFU, peak memory
 	$(OFFLINE) $(PY) bench/gpu.py $(if $(PROFILE),--profile $(PROFILE))
 
 test: lint ## lint, then the test suite (CPU only; multi-process tests use 2 processes over gloo)

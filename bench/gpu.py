@@ -4,9 +4,10 @@
 
 The model has Llama-3.2-1B's architecture (recipes/llama/configs/Llama-3.2-1B-Instruct/config.json)
 and random weights, so nothing is downloaded; the data is synthetic texts of varied length, packed
-several to a row of 2048 tokens. Each variant is one `accelerate launch` of `finetune train` with the
-single-node preset (FSDP2 full shard, bf16 compute over float32 master weights) on every visible GPU,
-one lever changed at a time (VARIANTS): the loss path, the attention path, the activation-checkpointing
+several to a row of 2048 tokens. Each variant is one `accelerate launch` of `finetune train` on every
+visible GPU, bf16 compute over float32 master weights: on one GPU with accelerate_configs/single_gpu.yaml (a
+plain module, no FSDP machinery), on several with the single-node preset (FSDP2 full shard); one lever
+changed at a time (VARIANTS): the loss path, the attention path, the activation-checkpointing
 policy, regional compilation; then varlen and compile together. Reported per GPU: tokens/s, MFU
 (finetune.flops: 6 N per token + 6 L d_attn n^2 per sample of n tokens, over the device's dense bf16
 peak) and the step-1 peak memory. Results: bench/results/<date>-<commit>-gpu.json and .md, whose table is
@@ -30,19 +31,20 @@ from pathlib import Path
 from run import CONFIGS, ENV, RECIPE, REPO, _free_port, _git, _steady
 
 SHAPE = REPO / "recipes" / "llama" / "configs" / "Llama-3.2-1B-Instruct" / "config.json"
-NO_AC = ["--fsdp_activation_checkpointing", "false"]
+# The recipe sets checkpointing (train.activation_checkpointing), so the FSDP preset's own is turned off.
+NO_FSDP_AC = ["--fsdp_activation_checkpointing", "false"]
 COMPILE = ["--dynamo_backend", "inductor", "--dynamo_use_regional_compilation"]
 VARLEN = {"model.attn_implementation": "varlen"}
 # One lever at a time against "chunked loss, no checkpointing" (the defaults), then all the levers that pay
 # together: name -> (launch flags, recipe overrides).
 VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {
-    "full logits, no checkpointing": (NO_AC, {"train.loss": "full_logits"}),
-    "chunked loss, no checkpointing": (NO_AC, {}),
-    "chunked loss, varlen attention": (NO_AC, VARLEN),
-    "chunked loss, selective checkpointing": (NO_AC, {"train.activation_checkpointing": "selective"}),
-    "chunked loss, full checkpointing": (["--fsdp_activation_checkpointing", "true"], {}),
-    "chunked loss, regional compile": ([*NO_AC, *COMPILE], {}),
-    "chunked loss, varlen attention, regional compile": ([*NO_AC, *COMPILE], VARLEN),
+    "full logits, no checkpointing": ([], {"train.loss": "full_logits"}),
+    "chunked loss, no checkpointing": ([], {}),
+    "chunked loss, varlen attention": ([], VARLEN),
+    "chunked loss, selective checkpointing": ([], {"train.activation_checkpointing": "selective"}),
+    "chunked loss, full checkpointing": ([], {"train.activation_checkpointing": "full"}),
+    "chunked loss, regional compile": (COMPILE, {}),
+    "chunked loss, varlen attention, regional compile": (COMPILE, VARLEN),
 }
 
 
@@ -66,6 +68,7 @@ def main() -> None:
     data = build_data(work, seq)
     gpus = 2 if args.quick else torch.cuda.device_count()
     device = "CPU (quick)" if args.quick else f"{gpus} x {torch.cuda.get_device_name(0)}"
+    config = "single_gpu.yaml" if gpus == 1 else "single_node.yaml"
     variants = {
         name: lever
         for name, lever in VARIANTS.items()
@@ -74,7 +77,7 @@ def main() -> None:
     rows = []
     for name, (launch_args, recipe) in variants.items():
         print(f"bench-gpu: {name} ...", flush=True)
-        rows.append(measure(name, launch_args, recipe, model, data, work, seq, gpus, args))
+        rows.append(measure(name, config, launch_args, recipe, model, data, work, seq, gpus, args))
         print(json.dumps(rows[-1]), flush=True)
     results = {
         "date": __import__("datetime").date.today().isoformat(),
@@ -85,6 +88,7 @@ def main() -> None:
         "compute": "float32 (CPU)" if args.quick else "bf16",
         "sequence_length": seq,
         "micro_batch": args.micro_batch,
+        "engine": "one GPU, no FSDP (single_gpu.yaml)" if gpus == 1 else "FSDP2 full shard (single_node.yaml)",
         "mfu_formula": "6 N per token + 6 L d_attn n^2 per sample of n tokens (finetune/flops.py); peak: dense bf16",
         "rows": rows,
     }
@@ -141,8 +145,8 @@ def build_data(work: Path, seq: int) -> Path:
 
 
 def measure(
-    name: str, launch_args: list[str], recipe: dict[str, str], model: Path, data: Path, work: Path, seq: int,
-    gpus: int, args,
+    name: str, config: str, launch_args: list[str], recipe: dict[str, str], model: Path, data: Path, work: Path,
+    seq: int, gpus: int, args,
 ) -> dict:  # fmt: skip
     out = work / "runs" / _slug(name)
     overrides = {
@@ -164,9 +168,9 @@ def measure(
         **recipe,
     }
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "single_node.yaml"),
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
         "--num_processes", str(gpus), "--num_machines", "1", "--main_process_port", str(_free_port()),
-        "--mixed_precision", "no" if args.quick else "bf16", *launch_args,
+        "--mixed_precision", "no" if args.quick else "bf16", *(NO_FSDP_AC if gpus > 1 else []), *launch_args,
         "-m", "finetune", "train", str(RECIPE), *[f"{k}={v}" for k, v in overrides.items()],
     ]  # fmt: skip
     result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1800)
@@ -196,7 +200,7 @@ def markdown(results: dict) -> str:
     lines = [
         f"GPU benchmark {results['date']} ({results['commit']}), {results['device']}, torch {results['torch']}: "
         f"{results['shape']}, {results['compute']} compute, sequence {results['sequence_length']}, micro-batch "
-        f"{results['micro_batch']} per GPU, FSDP2 full shard.",
+        f"{results['micro_batch']} per GPU, {results.get('engine', 'FSDP2 full shard (single_node.yaml)')}.",
         "",
         "| variant | tokens/s per GPU | MFU | step s | peak memory GiB |",
         "|---|---|---|---|---|",

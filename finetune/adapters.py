@@ -228,7 +228,7 @@ def describe_adapters(model: torch.nn.Module) -> str:
     from peft.tuners.lora import ParamWrapper
 
     wrapped = sum(isinstance(m, ParamWrapper) for m in model.modules())
-    experts = f"; {wrapped} fused expert weights adapted per expert (peft.target_experts)" if wrapped else ""
+    experts = f"; {wrapped} fused expert weights adapted per expert" if wrapped else ""
     return f"adapters: {trainable:,} trainable parameters, {frozen:,} frozen{quantized}{experts}"
 
 

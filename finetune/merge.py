@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -255,11 +256,11 @@ def _base_weights(name_or_path: str, trained_on: str | None) -> CheckpointWeight
                 f"the base model {name_or_path!r} that the adapter names is not available ({first_line(exc)}); "
                 "export without --merge, or make the base model reachable (a local folder or the hub cache)"
             ) from None
-    from finetune.model import quantized_method, weights_fingerprint
+    from finetune.model import DEQUANTIZED_ON_LOAD, quantized_method, weights_fingerprint
 
     config = folder / "config.json"
     method = quantized_method(json.loads(config.read_text())) if config.is_file() else None
-    if method is not None:
+    if method is not None and method not in DEQUANTIZED_ON_LOAD:
         raise FinetuneError(
             f"the base model {name_or_path!r} is stored quantized ({method}), so there are no weights to fold the "
             "adapter into, only codes; export without --merge (the adapter loads onto this base), or merge onto the "
@@ -272,7 +273,46 @@ def _base_weights(name_or_path: str, trained_on: str | None) -> CheckpointWeight
             "since); point base_model_name_or_path in the checkpoint's hf/adapter_config.json at the base it trained "
             "on, or export without --merge"
         )
-    return _SafetensorsWeights(files)
+    return _Mxfp4Weights(_SafetensorsWeights(files)) if method == "mxfp4" else _SafetensorsWeights(files)
+
+
+class _Mxfp4Weights(CheckpointWeights):
+    """A base stored in MXFP4 (gpt-oss's experts: `<name>_blocks`, two 4-bit floats a byte, 32 to a block, and
+    `<name>_scales`, a power of two a block), read as the weights training loaded: what transformers dequantizes
+    them to, under the fused names and in the layout the model holds them (experts x in x out), in the dtype the
+    base stores its other weights in (bf16 on the hub; every MXFP4 value is exact in it). One fused tensor at a
+    time, as the exporter asks for them."""
+
+    def __init__(self, stored: _SafetensorsWeights):
+        self.stored = stored
+        self.packed: dict[str, tuple[str, str]] = {}  # fused name -> its blocks and scales
+        shapes, dtypes = {}, {}
+        for name, shape in stored.shapes.items():
+            fused = name.removesuffix("_blocks")
+            if name.endswith("_blocks") and f"{fused}_scales" in stored.shapes:
+                experts, outputs, blocks, pairs = shape
+                shapes[fused], dtypes[fused] = torch.Size([experts, blocks * pairs * 2, outputs]), torch.uint8
+                self.packed[fused] = (name, f"{fused}_scales")
+            elif not (name.endswith("_scales") and f"{name.removesuffix('_scales')}_blocks" in stored.shapes):
+                shapes[name], dtypes[name] = shape, stored.dtypes[name]
+        floating: Counter[torch.dtype] = Counter()
+        for name, shape in shapes.items():
+            if name not in self.packed and dtypes[name].is_floating_point:
+                floating[dtypes[name]] += shape.numel()
+        self.dtype = floating.most_common(1)[0][0] if floating else torch.bfloat16
+        super().__init__(shapes, {name: self.dtype if name in self.packed else d for name, d in dtypes.items()})
+
+    def read_into(self, targets: dict[str, torch.Tensor]) -> None:
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+        plain = {name: target for name, target in targets.items() if name not in self.packed}
+        if plain:
+            self.stored.read_into(plain)
+        for name in targets.keys() & self.packed.keys():
+            codes = {key: torch.empty(self.stored.shapes[key], dtype=torch.uint8) for key in self.packed[name]}
+            self.stored.read_into(codes)
+            blocks, scales = (codes[key] for key in self.packed[name])
+            targets[name].copy_(convert_moe_packed_tensors(blocks, scales, dtype=self.dtype))
 
 
 def model_weight_files(folder: Path) -> list[Path]:

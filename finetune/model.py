@@ -142,7 +142,7 @@ def check_quantized_base(cfg: ModelConfig, adapters: bool, export_merged: bool =
     models): its weights are 4-bit codes, not numbers a full fine-tuning could update, so that is refused;
     adapter runs train on it as it is (QLoRA), and export the adapter, not a merge into codes."""
     method = quantized_method(load_model_config(cfg))
-    if method is None or (method in DEQUANTIZED_ON_LOAD and not export_merged):
+    if method is None or method in DEQUANTIZED_ON_LOAD:  # numbers once loaded: trained and merged as such
         return
     if not adapters:
         raise FinetuneError(

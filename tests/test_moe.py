@@ -257,8 +257,8 @@ def test_under_bf16_fsdp2_routers_compute_in_fp32(model_type):
 
 @pytest.fixture(scope="module")
 def moe_bases(tmp_path_factory, demo_assets) -> dict[str, Path]:
-    """Tiny Qwen3-MoE, Mixtral and gpt-oss models (4 experts, top 2) with the demo's tokenizer, saved as hub models
-    are."""
+    """Tiny Qwen3-MoE, Mixtral and gpt-oss models (top 2 of 4 experts; of 3 for Qwen3-MoE, which FSDP2 shards
+    unevenly on 2 ranks: 2 experts and 1 plus padding) with the demo's tokenizer, saved as hub models are."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(demo_assets / "base")
@@ -268,6 +268,7 @@ def moe_bases(tmp_path_factory, demo_assets) -> dict[str, Path]:
         config = tiny_config(
             model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, max_position_embeddings=256,
+            **({"num_experts": 3, "num_local_experts": 3} if model_type == "qwen3_moe" else {}),
         )  # fmt: skip
         bases[model_type] = tmp_path_factory.mktemp(model_type) / "base"
         AutoModelForCausalLM.from_config(config).save_pretrained(bases[model_type])
@@ -291,7 +292,8 @@ def _moe_run(tmp_path_factory, assets: Path, base: Path, name: str, num_processe
 
 @pytest.fixture(scope="module")
 def moe_run(tmp_path_factory, demo_assets, moe_bases) -> Run:
-    """Qwen3-MoE, full fine-tuning, 2 processes x 2 micro-batches of 4 rows, balancing loss at the model's 0.001."""
+    """Qwen3-MoE (3 experts: uneven shards), full fine-tuning, 2 processes x 2 micro-batches of 4 rows, balancing
+    loss at the model's 0.001."""
     return _moe_run(
         tmp_path_factory, demo_assets, moe_bases["qwen3_moe"], "moe2", 2, **{"train.gradient_accumulation_steps": 2}
     )
@@ -310,21 +312,22 @@ def test_moe_run_exports_per_expert_tensors_that_give_the_trained_logits(moe_run
     final = moe_run.output_dir / "final"
     with safe_open(final / "model.safetensors", "pt") as f:
         names = set(f.keys())
-    assert "model.layers.0.mlp.experts.3.down_proj.weight" in names
+    assert "model.layers.0.mlp.experts.2.down_proj.weight" in names
     assert not any("gate_up_proj" in name for name in names)
     assert max_logits_difference(moe_run.output_dir, final) <= 1e-5
-    assert "experts: 2 of 4 per token (grouped_mm); routers in fp32; balancing loss x0.001 (the model's" in moe_run.log
+    assert "experts: 2 of 3 per token (grouped_mm); routers in fp32; balancing loss x0.001 (the model's" in moe_run.log
 
 
 @pytest.mark.multiprocess
 def test_balancing_loss_is_normalized_like_the_loss_on_any_process_count(moe_run, moe_one_process_run):
-    """1 process x 4 micro-batches and 2 x 2 train the same: losses, balancing terms and weights within 1e-5."""
+    """1 process x 4 micro-batches and 2 x 2 train the same: losses, balancing terms and weights within 1e-5, with
+    the 3 experts of each layer sharded 2 and 1 over the ranks."""
     two, one = moe_run.metrics(), moe_one_process_run.metrics()
     steps = [m for m in two if "aux_loss" in m]
     assert len(steps) == 6
     assert all(2.0 <= m["aux_loss"] < 4.0 for m in steps)  # top_k (2) at perfect balance, more when unbalanced
-    # each layer's busiest expert over the mean: 1 at perfect balance, 2 (4 experts / top 2) at the worst
-    assert all(1.0 <= m[f"expert_load/{layer}"] <= 2.0 for m in steps for layer in (0, 1))
+    # each layer's busiest expert over the mean: 1 at perfect balance, 1.5 (3 experts / top 2) at the worst
+    assert all(1.0 <= m[f"expert_load/{layer}"] <= 1.5 for m in steps for layer in (0, 1))
     for a, b in zip(steps, [m for m in one if "aux_loss" in m], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
         assert a["aux_loss"] == pytest.approx(b["aux_loss"], abs=1e-5)
@@ -343,7 +346,7 @@ def test_lora_on_an_moe_model_merges_into_the_hub_layout(tmp_path_factory, demo_
         **{"peft.r": 8, "peft.target_modules": "[all-linear]", "peft.target_experts": "true",
            "output.export_merged": "true"},
     )  # fmt: skip
-    assert "; 4 fused expert weights adapted per expert (peft.target_experts)" in run.log
+    assert "; 4 fused expert weights adapted per expert" in run.log
     saved = json.loads((run.output_dir / "final" / "adapter_config.json").read_text())
     assert sorted(saved["target_parameters"]) == [
         f"model.layers.{n}.mlp.experts.{p}" for n in (0, 1) for p in ("down_proj", "gate_up_proj")
@@ -504,6 +507,65 @@ def test_expert_adapters_merge_into_the_hub_layout_as_peft_merges_them(model_typ
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "peft").eval()
     with torch.no_grad():
         assert (reloaded(input_ids=ids).logits - trained).abs().max().item() <= 1e-5
+
+
+def test_adapters_merge_onto_an_mxfp4_base_as_onto_its_dequantized_weights(moe_bases, tmp_path):
+    """gpt-oss's hub files hold its experts in MXFP4: a merged export reads them as training loaded them
+    (transformers' dequantization, under the fused names) and folds the adapter in, as PEFT's merge_and_unload does
+    on the dequantized model; the export's config has no quantization_config."""
+    from peft import get_peft_model_state_dict
+    from transformers import Mxfp4Config
+
+    from finetune.adapters import add_adapters
+    from finetune.config import PeftConfig
+    from finetune.merge import ExpertUpdates, MergedWeights, _base_weights
+    from finetune.model import meta_model
+
+    folder = stored_in_mxfp4(moe_bases["gpt_oss"], tmp_path / "mxfp4")
+    base = AutoModelForCausalLM.from_pretrained(folder, quantization_config=Mxfp4Config(dequantize=True),
+                                                dtype=torch.float32).eval()  # fmt: skip
+    adapted = add_adapters(base, PeftConfig(r=4, target_modules=["q_proj"], target_experts=True))
+    torch.manual_seed(0)
+    with torch.no_grad():  # as if trained
+        for param in adapted.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.1)
+    adapter, config = get_peft_model_state_dict(adapted), adapted.peft_config["default"].to_dict()
+    meta = meta_model(adapted.get_base_model().config)
+    experts = ExpertUpdates(meta, config, adapter)
+    experts.in_layout(None)  # published fused: no conversion
+    merged = MergedWeights(_base_weights(str(folder), None), adapter, config, set(), experts=experts)
+    assert not any(name.endswith(("_blocks", "_scales")) for name in merged.shapes)
+    ours = {name: torch.empty(shape) for name, shape in merged.shapes.items()}
+    merged.read_into(ours)
+    with torch.no_grad():
+        reference = adapted.merge_and_unload().state_dict()
+    assert ours.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.multiprocess
+def test_gpt_oss_lora_from_mxfp4_exports_a_plain_merged_model(tmp_path_factory, demo_assets, moe_bases):
+    """The gpt-oss recipe's shape, launched: LoRA on attention and on one layer's experts (`target_parameters`, as
+    OpenAI's cookbook picks layers) of an MXFP4 base; the merged export holds plain weights under the fused names,
+    no quantization_config, and gives the trained model's logits."""
+    base = stored_in_mxfp4(moe_bases["gpt_oss"], tmp_path_factory.mktemp("mxfp4_lora") / "base")
+    run = _moe_run(
+        tmp_path_factory, demo_assets, base, "gpt_oss_lora", 1,
+        **{"model.attn_implementation": "eager", "peft.r": 8, "peft.target_modules": "[all-linear]",
+           "peft.target_parameters": "[1.mlp.experts.gate_up_proj,1.mlp.experts.down_proj]",
+           "output.export_merged": "true"},
+    )  # fmt: skip
+    assert "; 2 fused expert weights adapted per expert" in run.log
+    merged = run.output_dir / "final_merged"
+    with (
+        safe_open(merged / "model.safetensors", "pt") as f,
+        safe_open(moe_bases["gpt_oss"] / "model.safetensors", "pt") as plain,
+    ):
+        assert set(f.keys()) == set(plain.keys())  # noqa: SIM118
+    assert "quantization_config" not in json.loads((merged / "config.json").read_text())
+    assert max_logits_difference(run.output_dir, merged) <= 1e-4
 
 
 def test_expert_adapters_are_refused_where_they_cannot_train():
