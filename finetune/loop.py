@@ -72,6 +72,7 @@ from finetune.model import (
     check_attention,
     check_max_length,
     check_model_path,
+    check_packing,
     check_quantized_base,
     check_tied_weights,
     checkpoint_dropout_exactly,
@@ -163,6 +164,7 @@ def preflight(recipe: RecipeConfig) -> Path | None:
     check_sources(recipe.data)
     check_max_length(recipe.model, recipe.data.max_length)
     check_attention(recipe.model)
+    check_packing(recipe.model, recipe.data.packing)
     if recipe.preference is not None and recipe.preference.reference_model:
         check_model_path(recipe.preference.reference_model)
     check_quantized_base(recipe.model, adapters=recipe.peft is not None, export_merged=recipe.output.export_merged)

@@ -137,6 +137,62 @@ def check_attention(cfg: ModelConfig) -> None:
         )
 
 
+def check_packing(cfg: ModelConfig, packing: bool) -> None:
+    """Packed rows attend per sample: transformers finds the samples of a row from its `position_ids` when it builds
+    the attention mask, but some models build theirs without them (gpt-oss, OPT, Bloom, Falcon, MPT among causal
+    LMs), so under a mask-based attention (eager, sdpa, flex) every sample would attend to the ones packed before it,
+    silently. Checked on the meta device before loading: the model's mask function is called with what its forward
+    passes (and the forward stops there). The varlen and flash paths read the boundaries themselves."""
+    if not packing or cfg.attn_implementation not in ("eager", "sdpa", "flex_attention"):
+        return
+    if packed_mask_ignores_positions(load_model_config(cfg)):
+        raise FinetuneError(
+            f"{cfg.name_or_path} builds its attention mask without the packed rows' position_ids, so under "
+            f"model.attn_implementation={cfg.attn_implementation} each packed sample would attend to the samples "
+            "before it in its row; set data.packing=false (rows padded, one sample each)"
+        )
+
+
+class _MaskCalled(Exception):
+    """Raised by the stand-in mask function: the forward has shown what it passes, and stops."""
+
+
+def packed_mask_ignores_positions(config: PretrainedConfig) -> bool:
+    """Whether the model of `config` builds its causal mask without the `position_ids` its forward is given
+    (False where it builds none through transformers' mask functions: nothing to tell)."""
+    import importlib
+    import inspect
+
+    try:
+        model = meta_model(config)
+    except Exception:  # remote code, or a config transformers cannot build on its own: nothing to tell
+        return False
+    module = importlib.import_module(type(model).__module__)
+    names = [n for n in ("create_causal_mask", "create_sliding_window_causal_mask") if hasattr(module, n)]
+    passed: list[dict[str, Any]] = []
+
+    originals = {name: getattr(module, name) for name in names}
+
+    def record(*args: Any, **kwargs: Any) -> None:
+        signature = inspect.signature(originals[names[0]])
+        passed.append(signature.bind_partial(*args, **kwargs).arguments)
+        raise _MaskCalled
+
+    try:
+        for name in names:
+            setattr(module, name, record)
+        positions = torch.tensor([[0, 1, 0, 1]], device="meta")
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"), position_ids=positions, use_cache=False)
+    except _MaskCalled:
+        pass
+    except Exception:  # a forward that cannot run on the meta device: nothing to tell
+        return False
+    finally:
+        for name, function in originals.items():
+            setattr(module, name, function)
+    return bool(passed) and passed[0].get("position_ids") is None
+
+
 def check_quantized_base(cfg: ModelConfig, adapters: bool, export_merged: bool = False) -> None:
     """A base saved already quantized (`quantization_config` in its config.json, as the `*-bnb-4bit` hub
     models): its weights are 4-bit codes, not numbers a full fine-tuning could update, so that is refused;

@@ -38,7 +38,14 @@ from finetune.config import RecipeConfig
 from finetune.errors import FinetuneError
 from finetune.family import Experts, experts_of, is_routed_expert
 from finetune.launch import STRATEGIES, Launch, recipe_launch_problems
-from finetune.model import DTYPES, check_attention, check_quantized_base, load_model_config, meta_model
+from finetune.model import (
+    DTYPES,
+    check_attention,
+    check_packing,
+    check_quantized_base,
+    load_model_config,
+    meta_model,
+)
 
 if TYPE_CHECKING:
     from finetune.loss import LossPath
@@ -398,6 +405,7 @@ def check(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     if problems:
         raise FinetuneError(f"cannot train with {launch.config_path}: " + "; ".join(problems))
     check_attention(recipe.model)
+    check_packing(recipe.model, recipe.data.packing)
     check_quantized_base(recipe.model, adapters=recipe.peft is not None, export_merged=recipe.output.export_merged)
     model = planned_model(recipe)
     shape = model_shape(model)

@@ -277,6 +277,8 @@ def moe_bases(tmp_path_factory, demo_assets) -> dict[str, Path]:
 
 
 MOE_SETTINGS = {"train.max_steps": 6, "train.eval_every_steps": 0, "data.eval_path": "null"}
+# gpt-oss: eager attention (its sinks), rows padded (its mask ignores packed rows' positions: check_packing).
+GPT_OSS = {"model.attn_implementation": "eager", "data.packing": "false"}
 WRAP = {"qwen3_moe": "Qwen3MoeDecoderLayer", "mixtral": "MixtralDecoderLayer", "gpt_oss": "GptOssDecoderLayer"}
 
 
@@ -446,7 +448,7 @@ def test_gpt_oss_trains_from_mxfp4_with_eager_attention_and_exports_plain_weight
     overrides = recipe_overrides(demo_assets, tmp_path_factory.mktemp("refused") / "out")
     result = run_cli("train", str(DEMO_RECIPE), *overrides, f"model.name_or_path={base}")
     assert_user_error(result, "transformers has no sdpa path for GptOssForCausalLM; set model.attn_implementation")
-    run = _moe_run(tmp_path_factory, demo_assets, base, "gpt_oss", 2, **{"model.attn_implementation": "eager"})
+    run = _moe_run(tmp_path_factory, demo_assets, base, "gpt_oss", 2, **GPT_OSS)
     final = run.output_dir / "final"
     with safe_open(final / "model.safetensors", "pt") as f, safe_open(base / "model.safetensors", "pt") as hub:
         names = set(f.keys())
@@ -553,7 +555,7 @@ def test_gpt_oss_lora_from_mxfp4_exports_a_plain_merged_model(tmp_path_factory, 
     base = stored_in_mxfp4(moe_bases["gpt_oss"], tmp_path_factory.mktemp("mxfp4_lora") / "base")
     run = _moe_run(
         tmp_path_factory, demo_assets, base, "gpt_oss_lora", 1,
-        **{"model.attn_implementation": "eager", "peft.r": 8, "peft.target_modules": "[all-linear]",
+        **GPT_OSS, **{"peft.r": 8, "peft.target_modules": "[all-linear]",
            "peft.target_parameters": "[1.mlp.experts.gate_up_proj,1.mlp.experts.down_proj]",
            "output.export_merged": "true"},
     )  # fmt: skip
@@ -566,6 +568,32 @@ def test_gpt_oss_lora_from_mxfp4_exports_a_plain_merged_model(tmp_path_factory, 
         assert set(f.keys()) == set(plain.keys())  # noqa: SIM118
     assert "quantization_config" not in json.loads((merged / "config.json").read_text())
     assert max_logits_difference(run.output_dir, merged) <= 1e-4
+
+
+def test_packing_is_refused_where_the_model_builds_its_mask_without_the_rows_positions(tmp_path):
+    """gpt-oss (like OPT, Bloom, Falcon and MPT) builds its causal mask without `position_ids`: a packed row's second
+    sample attends to the first (its logits differ from the sample's alone), so packing under a mask-based attention
+    is refused before loading, naming the fix; models that pass them (Llama, Qwen3-MoE) pack exactly."""
+    from finetune.config import ModelConfig
+    from finetune.model import check_packing, packed_mask_ignores_positions
+
+    first, second = torch.randint(0, 128, (1, 7)), torch.randint(0, 128, (1, 9))
+    row, positions = torch.cat([first, second], 1), torch.cat([torch.arange(7), torch.arange(9)]).unsqueeze(0)
+    for model_type, ignores in (("gpt_oss", True), ("opt", True), ("qwen3_moe", False), ("llama", False)):
+        torch.manual_seed(0)
+        config = tiny_config(model_type)
+        assert packed_mask_ignores_positions(config) is ignores, model_type
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+        with torch.no_grad():
+            alone = model(second, use_cache=False).logits
+            packed = model(row, position_ids=positions, use_cache=False).logits[:, 7:]
+        assert ((packed - alone).abs().max().item() > 1e-3) is ignores, model_type
+    tiny_config("gpt_oss").save_pretrained(tmp_path / "gpt_oss")
+    for attention in ("eager", "sdpa", "flex_attention"):
+        with pytest.raises(FinetuneError, match="builds its attention mask without the packed rows' position_ids"):
+            check_packing(ModelConfig(name_or_path=str(tmp_path / "gpt_oss"), attn_implementation=attention), True)
+    check_packing(ModelConfig(name_or_path=str(tmp_path / "gpt_oss"), attn_implementation="eager"), False)
+    check_packing(ModelConfig(name_or_path=str(tmp_path / "gpt_oss"), attn_implementation="flash_attention_2"), True)
 
 
 def test_expert_adapters_are_refused_where_they_cannot_train():
