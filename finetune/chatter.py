@@ -32,6 +32,20 @@ def quiet_libraries() -> None:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # "Loading weights", from every rank
+    # On a CPU, transformers says it will dequantize an MXFP4 base (gpt-oss) "to bf16": finetune asked it to, into
+    # the recipe's dtype (model.dequantizing), on every device.
+    logging.getLogger("transformers.quantizers.quantizer_mxfp4").addFilter(_Dropping("MXFP4 inference on CPU"))
+
+
+class _Dropping(logging.Filter):
+    """Drops the records whose message starts with `start`."""
+
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.start)
 
 
 @contextlib.contextmanager

@@ -39,7 +39,21 @@ MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
 # Architectures whose causal-LM forward is `lm_head(slice_logits_to_keep(hidden))` and nothing after it
 # (no logit soft-capping or scaling), so that a head computing the loss sees what the logits would be.
 CHUNKED_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "gpt2", "gemma", "olmo2"}
+    {
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "phi3",
+        "gpt2",
+        "gemma",
+        "olmo2",
+        "olmoe",
+        "gpt_oss",
+    }
 )
 _CHUNK_BYTES = {"cpu": 64 * 2**20, "cuda": 2**30}
 """Bytes of fp32 logits per chunk, by device type. Each chunk adds its share into the head's weight gradient,

@@ -25,6 +25,16 @@ ARCHITECTURES = {
     "gpt2": transformers.GPT2Config(
         vocab_size=96, n_embd=32, n_layer=2, n_head=4, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0
     ),  # tied head
+    # a mixture of experts with a vocabulary of 201,088 in its real size: the model the chunked head matters most for
+    "gpt_oss": transformers.GptOssConfig(
+        **SMALL,
+        intermediate_size=32,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
 }
 
 
@@ -53,7 +63,8 @@ def test_chunked_loss_equals_the_full_logits_reference(architecture, monkeypatch
     (expected.total * 0.37).backward()  # any scale reaches the gradients as it does through the reference
     (got.total * 0.37).backward()
     for (name, a), b in zip(reference.named_parameters(), chunked.parameters(), strict=True):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+        scale = max(1.0, a.grad.abs().max().item())  # fp32 rounding grows with the gradient (gpt-oss: up to 3.6)
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6 * scale, msg=name)
     with torch.no_grad():  # evaluation: the same losses without gradients
         torch.testing.assert_close(batch_loss(chunked, batch, "chunked").per_row, expected.per_row)
     assert chunked(input_ids=batch["input_ids"]).logits.shape == (2, 24, 96)  # the head is itself again
