@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -285,22 +284,18 @@ class _Mxfp4Weights(CheckpointWeights):
 
     def __init__(self, stored: _SafetensorsWeights):
         self.stored = stored
+        self.dtype = stored.training_dtype()  # the codes are integers: the plain weights' dtype
         self.packed: dict[str, tuple[str, str]] = {}  # fused name -> its blocks and scales
         shapes, dtypes = {}, {}
         for name, shape in stored.shapes.items():
             fused = name.removesuffix("_blocks")
             if name.endswith("_blocks") and f"{fused}_scales" in stored.shapes:
                 experts, outputs, blocks, pairs = shape
-                shapes[fused], dtypes[fused] = torch.Size([experts, blocks * pairs * 2, outputs]), torch.uint8
+                shapes[fused], dtypes[fused] = torch.Size([experts, blocks * pairs * 2, outputs]), self.dtype
                 self.packed[fused] = (name, f"{fused}_scales")
             elif not (name.endswith("_scales") and f"{name.removesuffix('_scales')}_blocks" in stored.shapes):
                 shapes[name], dtypes[name] = shape, stored.dtypes[name]
-        floating: Counter[torch.dtype] = Counter()
-        for name, shape in shapes.items():
-            if name not in self.packed and dtypes[name].is_floating_point:
-                floating[dtypes[name]] += shape.numel()
-        self.dtype = floating.most_common(1)[0][0] if floating else torch.bfloat16
-        super().__init__(shapes, {name: self.dtype if name in self.packed else d for name, d in dtypes.items()})
+        super().__init__(shapes, dtypes)
 
     def read_into(self, targets: dict[str, torch.Tensor]) -> None:
         from transformers.integrations.mxfp4 import convert_moe_packed_tensors
