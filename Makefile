@@ -4,10 +4,12 @@
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
-# VENV= (empty) runs an existing environment's $(PYTHON): a GPU machine's, which keeps its own torch.
+# VENV= (empty) runs an existing environment's $(PYTHON) as it is, installing nothing: a GPU machine's, which
+# keeps its own torch (what it lacks travels as wheels: make gpu-wheels, then make gpu-check).
 PY := $(if $(VENV),$(VENV)/bin/python,$(PYTHON))
-ACCELERATE := $(VENV)/bin/accelerate
-STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
+ACCELERATE := $(PY) -m accelerate.commands.accelerate_cli
+RUFF := $(PY) -m ruff
+STAMP := $(if $(VENV),$(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1))
 
 DEMO_DIR := outputs/demo
 DEMO_RECIPE := recipes/demo/tiny_llama.yaml
@@ -25,7 +27,8 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b train-70b train-qwen-7b train-mistral-7b \
 	train-8b-lora train-qwen-7b-lora train-70b-qlora train-qwen3-8b train-qwen3-30b-a3b train-qwen3-30b-a3b-lora \
 	train-gpt-oss-20b-lora train-mixtral-lora train-qwen-7b-tools train-8b-dpo train-qwen-7b-dpo
-.PHONY: help setup demo demo-lora demo-dpo train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu test test-gpu lint format clean
+.PHONY: help setup demo demo-lora demo-dpo train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu \
+	gpu-wheels gpu-check test test-gpu lint format clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -34,6 +37,7 @@ setup: $(STAMP) ## create .venv with finetune and its dependencies
 
 # A torch that is already installed (GPU machines) is kept: the venv sees system packages and
 # pip finds torch satisfied. Elsewhere the CPU wheel is pinned, since an unpinned torch pulls CUDA.
+ifneq ($(VENV),)
 $(STAMP): pyproject.toml
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
 		echo "using the installed torch"; $(PYTHON) -m venv --system-site-packages $(VENV); \
@@ -42,6 +46,7 @@ $(STAMP): pyproject.toml
 	fi
 	$(PY) -m pip install --quiet -e ".[dev]"
 	rm -f $(VENV)/.installed-* && touch $@
+endif
 
 demo: $(STAMP) ## offline demo: build a tiny Llama and data, fine-tune with FSDP2, export, compare
 	$(OFFLINE) $(PY) -m finetune demo build --dir $(DEMO_DIR)
@@ -206,13 +211,25 @@ test: lint ## lint, then the test suite (CPU only; multi-process tests use 2 pro
 test-gpu: ## the CUDA tests, on a GPU machine (skipped with the reason elsewhere): make test-gpu PYTHON=python3 VENV=
 	$(OFFLINE) $(PY) -m pytest -m cuda -rs
 
+# The GPU machines have torch, accelerate, transformers and peft but no network: what finetune needs beyond
+# them (the versions tested here) is downloaded here as Python 3.12 manylinux wheels into .whl/ (git ignores
+# it), which travels with the tree; gpu-check installs them into a temporary path on PYTHONPATH.
+gpu-wheels: $(STAMP) ## download the wheels a GPU machine lacks into .whl/ (run here, on a machine with pip access)
+	$(PY) bench/gpu_check.py --download-wheels .whl
+
+# On a GPU machine, in one command: make gpu-check VENV= PYTHON=python3 BUDGET=480 [OUT=folder]. Elsewhere the
+# same steps run in their CPU form (a dry run). Everything lands in one folder of at most 8 files.
+gpu-check: $(STAMP) ## the GPU check within BUDGET seconds: environment, test-gpu, the demo, bench-gpu, one profile
+	$(OFFLINE) $(PY) bench/gpu_check.py --budget $(or $(BUDGET),480) --out $(or $(OUT),outputs/gpu-check) \
+		$(if $(wildcard .whl/*.whl),--wheels .whl)
+
 lint: $(STAMP) ## ruff check and format check
-	$(VENV)/bin/ruff check finetune tests bench
-	$(VENV)/bin/ruff format --check finetune tests bench
+	$(RUFF) check finetune tests bench
+	$(RUFF) format --check finetune tests bench
 
 format: $(STAMP) ## apply ruff fixes and formatting
-	$(VENV)/bin/ruff check --fix finetune tests bench
-	$(VENV)/bin/ruff format finetune tests bench
+	$(RUFF) check --fix finetune tests bench
+	$(RUFF) format finetune tests bench
 
 clean: ## remove outputs and the virtual environment
 	rm -rf outputs $(VENV)

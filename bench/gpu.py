@@ -1,6 +1,7 @@
 """`make bench-gpu`: finetune on the GPUs of this machine, Llama-3.2-1B shape, bf16, sequence 2048.
 
-    python bench/gpu.py [--quick] [--steps 30] [--micro-batch 4] [--only TEXT ...] [--profile FIRST,LAST]
+    python bench/gpu.py [--quick] [--steps 30] [--micro-batch 4 [8 ...]] [--only TEXT ...] [--variant NAME ...]
+                        [--profile FIRST,LAST]
 
 The model has Llama-3.2-1B's architecture (recipes/llama/configs/Llama-3.2-1B-Instruct/config.json)
 and random weights, so nothing is downloaded; the data is synthetic texts of varied length, packed
@@ -8,10 +9,12 @@ several to a row of 2048 tokens. Each variant is one `accelerate launch` of `fin
 visible GPU, bf16 compute over float32 master weights: on one GPU with accelerate_configs/single_gpu.yaml (a
 plain module, no FSDP machinery), on several with the single-node preset (FSDP2 full shard); one lever
 changed at a time (VARIANTS): the loss path, the attention path, the activation-checkpointing
-policy, regional compilation; then varlen and compile together. Reported per GPU: tokens/s, MFU
-(finetune.flops: 6 N per token + 6 L d_attn n^2 per sample of n tokens, over the device's dense bf16
-peak) and the step-1 peak memory. Results: bench/results/<date>-<commit>-gpu.json and .md, whose table is
-what docs/benchmarks.md quotes. `--quick` runs a tiny model on 2 CPU processes (what the tests run).
+policy, regional compilation; then varlen and compile together; each at every micro-batch given.
+Reported per GPU: tokens/s, MFU (finetune.flops: 6 N per token + 6 L d_attn n^2 per sample of n tokens,
+over the device's dense bf16 peak), the rows' fill and the step-1 peak memory. Results:
+bench/results/<date>-<commit>-gpu.json and .md, rewritten after every launch (a run stopped at a time
+limit keeps the rows it finished), whose table is what docs/benchmarks.md quotes. `--quick` runs a tiny
+model on 2 CPU processes (what the tests run).
 `--profile 10,12` also records those steps of every variant with the torch profiler
 (`train.profile_steps`): rank 0's operator table lands beside the results as
 <stem>-profile-<variant>.txt, its trace stays under --work.
@@ -52,8 +55,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model on 2 CPU processes (the tests' run)")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--micro-batch", type=int, nargs="+", default=[4], help="rows per GPU; several: each")
     parser.add_argument("--only", action="append", help="run the variants whose name contains this (repeatable)")
+    parser.add_argument("--variant", action="append", help="run the variant of exactly this name (repeatable)")
     parser.add_argument("--work", default=str(REPO / "outputs" / "bench-gpu"))
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--profile", help="FIRST,LAST: steps to record with the torch profiler (train.profile_steps)")
@@ -69,25 +73,39 @@ def main() -> None:
     gpus = 2 if args.quick else torch.cuda.device_count()
     device = "CPU (quick)" if args.quick else f"{gpus} x {torch.cuda.get_device_name(0)}"
     config = "single_gpu.yaml" if gpus == 1 else "single_node.yaml"
-    variants = {
-        name: lever
-        for name, lever in VARIANTS.items()
-        if not (args.quick and "compile" in name) and (not args.only or any(part in name for part in args.only))
-    }
+    variants = {name: lever for name, lever in VARIANTS.items() if chosen(name, args)}
+    if not variants:
+        raise SystemExit(f"bench-gpu: no variant matches; they are: {', '.join(VARIANTS)}")
     rows = []
-    for name, (launch_args, recipe) in variants.items():
-        print(f"bench-gpu: {name} ...", flush=True)
-        rows.append(measure(name, config, launch_args, recipe, model, data, work, seq, gpus, args))
-        print(json.dumps(rows[-1]), flush=True)
+    for micro_batch in args.micro_batch:
+        for name, (launch_args, recipe) in variants.items():
+            print(f"bench-gpu: {name}, micro-batch {micro_batch} ...", flush=True)
+            rows.append(measure(name, config, launch_args, recipe, model, data, work, seq, gpus, micro_batch, args))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "profile"}), flush=True)
+            table = write_results(rows, device, gpus, seq, torch.__version__, args)
+    print(table, flush=True)
+
+
+def chosen(name: str, args) -> bool:
+    """Compilation is left out of --quick (CPU); --variant names exactly, --only by a part of the name."""
+    if args.quick and "compile" in name:
+        return False
+    if args.variant or args.only:
+        return name in (args.variant or []) or any(part in name for part in args.only or [])
+    return True
+
+
+def write_results(rows: list[dict], device: str, gpus: int, seq: int, torch_version: str, args) -> str:
+    """The results so far, as JSON and Markdown (and each profiled row's operator table); returns the table."""
     results = {
         "date": __import__("datetime").date.today().isoformat(),
         "commit": os.environ.get("BENCH_COMMIT") or _git("rev-parse", "--short", "HEAD"),
         "device": device,
-        "torch": torch.__version__,
+        "torch": torch_version,
         "shape": str(SHAPE.relative_to(REPO)) if not args.quick else "tiny",
         "compute": "float32 (CPU)" if args.quick else "bf16",
         "sequence_length": seq,
-        "micro_batch": args.micro_batch,
+        "micro_batch": args.micro_batch,  # each row says its own
         "engine": "one GPU, no FSDP (single_gpu.yaml)" if gpus == 1 else "FSDP2 full shard (single_node.yaml)",
         "mfu_formula": "6 N per token + 6 L d_attn n^2 per sample of n tokens (finetune/flops.py); peak: dense bf16",
         "rows": rows,
@@ -99,8 +117,8 @@ def main() -> None:
     stem.with_suffix(".md").write_text(markdown(results))
     for row in rows:
         if "profile" in row:
-            Path(f"{stem}-profile-{_slug(row['variant'])}.txt").write_text(row["profile"])
-    print(markdown(results))
+            Path(f"{stem}-profile-{_slug(row['variant'])}-mb{row['micro_batch']}.txt").write_text(row["profile"])
+    return markdown(results)
 
 
 def build_model(work: Path, quick: bool) -> Path:
@@ -146,16 +164,16 @@ def build_data(work: Path, seq: int) -> Path:
 
 def measure(
     name: str, config: str, launch_args: list[str], recipe: dict[str, str], model: Path, data: Path, work: Path,
-    seq: int, gpus: int, args,
+    seq: int, gpus: int, micro_batch: int, args,
 ) -> dict:  # fmt: skip
-    out = work / "runs" / _slug(name)
+    out = work / "runs" / f"{_slug(name)}-mb{micro_batch}"
     overrides = {
         "model.name_or_path": model,
         "data.train_path": data,
         "data.eval_path": "null",
         "data.format": "text",
         "data.max_length": seq,
-        "train.micro_batch_size": args.micro_batch,
+        "train.micro_batch_size": micro_batch,
         "train.max_steps": 6 if args.quick else args.steps,
         "train.log_every_steps": 1,
         "train.eval_every_steps": 0,
@@ -176,18 +194,24 @@ def measure(
     result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
         print("\n".join(result.stderr.strip().splitlines()[-40:]), file=sys.stderr, flush=True)
-        return {"variant": name, "error": (result.stderr.strip().splitlines() or ["failed"])[-1][:300]}
+        error = (result.stderr.strip().splitlines() or ["failed"])[-1][:300]
+        return {"variant": name, "micro_batch": micro_batch, "error": error}
     entries = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [e for e in entries if "loss" in e]
+    # The profiled steps (--profile) are timed under the profiler: left out of the rates, kept in the losses.
+    first, last = map(int, args.profile.split(",")) if args.profile else (0, -1)
+    logged = [e for e in entries if "loss" in e]
+    steps = [e for e in logged if not first <= e["step"] <= last]
     memory = next(e for e in entries if "memory/rank0/step_peak" in e)
     mfu = [e["mfu"] for e in steps if "mfu" in e]
     return {
         "variant": name,
+        "micro_batch": micro_batch,
         "tokens_per_second_per_gpu": statistics.median(_steady([e["tokens_per_second"] for e in steps])) / gpus,
         "mfu": statistics.median(_steady(mfu)) if mfu else None,
         "step_seconds": statistics.median(_steady([e["step_seconds"] for e in steps])),
+        "fill": statistics.median(e["fill"] for e in steps),
         "peak_memory_bytes": memory["memory/rank0/step_peak"],
-        "loss_first_last": [steps[0]["loss"], steps[-1]["loss"]],
+        "loss_first_last": [logged[0]["loss"], logged[-1]["loss"]],
         **({"profile": (out / "profile" / "rank0.txt").read_text()} if args.profile else {}),
     }
 
@@ -199,20 +223,20 @@ def _slug(variant: str) -> str:
 def markdown(results: dict) -> str:
     lines = [
         f"GPU benchmark {results['date']} ({results['commit']}), {results['device']}, torch {results['torch']}: "
-        f"{results['shape']}, {results['compute']} compute, sequence {results['sequence_length']}, micro-batch "
-        f"{results['micro_batch']} per GPU, {results.get('engine', 'FSDP2 full shard (single_node.yaml)')}.",
+        f"{results['shape']}, {results['compute']} compute, sequence {results['sequence_length']}, "
+        f"{results.get('engine', 'FSDP2 full shard (single_node.yaml)')}.",
         "",
-        "| variant | tokens/s per GPU | MFU | step s | peak memory GiB |",
-        "|---|---|---|---|---|",
+        "| variant | micro-batch per GPU | tokens/s per GPU | MFU | fill | step s | peak memory GiB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in results["rows"]:
         if "error" in row:
-            lines.append(f"| {row['variant']} | failed: {row['error']} | | | |")
+            lines.append(f"| {row['variant']} | {row['micro_batch']} | failed: {row['error']} | | | | |")
             continue
         mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a (peak unknown)"
         lines.append(
-            f"| {row['variant']} | {row['tokens_per_second_per_gpu']:.0f} | {mfu} | {row['step_seconds']:.3f} | "
-            f"{row['peak_memory_bytes'] / 2**30:.1f} |"
+            f"| {row['variant']} | {row['micro_batch']} | {row['tokens_per_second_per_gpu']:.0f} | {mfu} | "
+            f"{row['fill']:.3f} | {row['step_seconds']:.3f} | {row['peak_memory_bytes'] / 2**30:.1f} |"
         )
     return "\n".join(lines) + "\n"
 

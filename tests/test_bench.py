@@ -100,6 +100,46 @@ def test_bench_gpu_runs_on_cpu_in_quick_mode(tmp_path):
     assert sum(name.endswith(".txt") and "-profile-chunked-loss" in name for name in results["_files"]) == 4
 
 
+def run_gpu_check(tmp_path, budget: int) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "out"
+    command = [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--budget", str(budget), "--out", str(out),
+               "--work", str(tmp_path / "work")]  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    return result, json.loads((out / "summary.json").read_text())
+
+
+def test_gpu_check_dry_runs_every_step_in_its_cpu_form(tmp_path):
+    """`make gpu-check` without a GPU: each step's command line runs (tests collected, a short demo, bench
+    --quick, one profiled step), everything in one folder of at most 8 files, as the device tool needs."""
+    result, summary = run_gpu_check(tmp_path, budget=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "gpu-check: no GPU: dry run" in result.stdout and summary["mode"] == "no GPU: dry run"
+    steps = {step["name"]: step for step in summary["steps"]}
+    assert list(steps) == ["environment", "test-gpu", "demo", "bench", "profile"]
+    assert all(step["status"] == "passed" for step in steps.values()), summary
+    assert "torch " in steps["environment"]["lines"][-1] and "transformers " in steps["environment"]["lines"][-1]
+    assert "tests collected" in steps["test-gpu"]["lines"][0]
+    assert any("fine-tuned (exported)" in line and "/200" in line for line in steps["demo"]["lines"])
+    assert [line.split(":")[0] for line in steps["bench"]["lines"]] == [
+        "chunked loss, varlen attention, micro-batch 8", "chunked loss, varlen attention, micro-batch 16"
+    ]  # fmt: skip
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert len(files) <= 8 and {"summary.md", "summary.json", "test-gpu.log", "demo.log", "bench.log"} <= set(files)
+    (table,) = [name for name in files if "-profile-" in name]
+    assert "aten::mm" in (tmp_path / "out" / table).read_text()
+    results = json.loads((tmp_path / "out" / (table.split("-profile-")[0] + ".json")).read_text())
+    assert [row["micro_batch"] for row in results["rows"]] == [8, 16]
+    assert all(positive(row["fill"]) and row["fill"] <= 1 for row in results["rows"])
+
+
+def test_gpu_check_skips_what_its_budget_cannot_hold(tmp_path):
+    result, summary = run_gpu_check(tmp_path, budget=12)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    statuses = {step["name"]: step["status"] for step in summary["steps"]}
+    assert statuses == {**dict.fromkeys(statuses, "skipped"), "environment": "passed"}
+    assert "skipped: " in summary["steps"][1]["lines"][0] and "needs at least 30" in summary["steps"][1]["lines"][0]
+
+
 def test_model_flops_per_token_follow_the_stated_formula():
     from transformers import AutoConfig
 

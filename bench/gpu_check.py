@@ -1,0 +1,345 @@
+"""`make gpu-check`: the prepared GPU run of finetune, in one command, inside a time budget.
+
+    python bench/gpu_check.py --budget 480 --out outputs/gpu-check [--wheels .whl]
+    python bench/gpu_check.py --download-wheels .whl     # before, on a machine that reaches PyPI
+
+A GPU machine is lent for minutes, its start and idle time included (shared/GPU.md), so what it should run
+is one command, prepared and dry-run elsewhere, that stops itself inside its budget. In order, each step
+capped and skipped with a line once too little of the budget is left for it:
+
+1. environment: the wheels in --wheels (what the machine's own Python lacks: datasets, bitsandbytes, the
+   transformers and peft versions finetune is tested with) installed into a temporary path put first on
+   PYTHONPATH, then one line: GPU, torch, CUDA and the packages' versions;
+2. test-gpu: the tests marked `cuda` (`make test-gpu`);
+3. demo: the offline demo trained on one GPU (single_gpu.yaml, 1 process), its wall time and exact match;
+4. bench: bench/gpu.py's best-known variant (chunked loss, varlen attention), with and without regional
+   compilation, at micro-batch 8 and 16: tokens/s, MFU, fill and peak memory; each launch records one late
+   step with the torch profiler (left out of its rates), which costs no launch of its own;
+5. profile: the operator table of the fastest of those.
+
+Without a GPU each step runs its CPU form ("no GPU: dry run"): the CUDA tests collected, not run; the demo
+for a few steps; bench/gpu.py --quick. The tests run that, so a broken check shows in CI, not on the GPU.
+
+Everything lands in --out, at most 8 files (what the device tool brings back): summary.md and summary.json,
+a log per step that has one (test-gpu.log, demo.log, bench.log), bench/gpu.py's results
+(<date>-<commit>-gpu.json and .md) and the profile's operator table. Exit status 1 if a step failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# What a GPU machine's Python lacks or holds in other versions than finetune is tested with; the versions
+# are this environment's (the one `make setup` built), so the GPU runs what CI ran.
+WHEELS = ["transformers", "peft", "datasets", "dill", "multiprocess", "fsspec", "bitsandbytes"]
+PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+VERSIONS = ["torch", "accelerate", "transformers", "peft", "datasets", "bitsandbytes", "safetensors", "tokenizers"]
+BEST_VARIANTS = ["chunked loss, varlen attention", "chunked loss, varlen attention, regional compile"]
+MICRO_BATCHES = ["8", "16"]
+PYTEST_CLOSING = re.compile(r"\d+ (passed|failed|skipped|errors?|deselected)|tests? collected")
+
+
+@dataclass
+class Step:
+    """One step of the check: how it ended, in how long, and what a reader of the summary needs to know."""
+
+    name: str
+    status: str = "passed"  # passed | failed | timed out | skipped
+    seconds: float = 0.0
+    lines: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Check:
+    """What every step shares: the budget's clock, where files go, the environment the commands run in."""
+
+    budget_seconds: float
+    out: Path
+    work: Path
+    gpu: bool
+    env: dict[str, str]
+    started: float = field(default_factory=time.monotonic)
+
+    def left(self) -> float:
+        return self.budget_seconds - (time.monotonic() - self.started)
+
+    def run(self, command: list[str], log: str, cap: float) -> tuple[int | None, str]:
+        """Run `command` with its output appended to `log` in --out; kill it and all it started after `cap`
+        seconds (returncode None). Returns the returncode and what this command printed."""
+        path = self.out / log
+        start = path.stat().st_size if path.exists() else 0
+        with path.open("a") as sink:
+            sink.write(f"$ {' '.join(command)}\n")
+            sink.flush()
+            process = subprocess.Popen(
+                command, cwd=REPO, env=self.env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                returncode = process.wait(timeout=max(cap, 1))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)  # the launcher's workers too: they share its session
+                process.wait()
+                returncode = None
+                sink.write(f"\n[gpu-check: stopped after {cap:.0f} s]\n")
+        with path.open() as text:
+            text.seek(start)
+            return returncode, text.read()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--budget", type=float, default=480, help="seconds for the whole check")
+    parser.add_argument("--out", default=str(REPO / "outputs" / "gpu-check"), help="the folder of results")
+    parser.add_argument("--work", default=str(REPO / "outputs" / "gpu-check-work"), help="models, data, runs")
+    parser.add_argument("--wheels", help="a folder of wheels to install into a temporary path first")
+    parser.add_argument("--download-wheels", metavar="FOLDER", help="download the GPU machine's wheels, then stop")
+    parser.add_argument("--print-environment", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.download_wheels:
+        download_wheels(Path(args.download_wheels))
+        return
+    if args.print_environment:
+        print(environment_line())
+        return
+    import torch
+
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.iterdir():  # one check's files only (the device tool brings back 8); the folder stays
+        shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **OFFLINE, "PYTHONUNBUFFERED": "1"}
+    check = Check(args.budget, out, work, torch.cuda.is_available(), env)
+    print("gpu-check: " + (f"{torch.cuda.get_device_name(0)}" if check.gpu else "no GPU: dry run"), flush=True)
+    steps: list[Step] = []
+    plan: list[tuple[str, float, float, Callable[[Check, Step, float], None]]] = [
+        # name, cap (seconds), least worth starting with, the step
+        ("environment", 90, 5, lambda c, s, cap: environment(c, s, cap, args.wheels)),
+        ("test-gpu", 150, 30, tests),
+        ("demo", 120, 30, demo),
+        ("bench", 300, 60, bench),
+        ("profile", 10, 0, profile),
+    ]
+    for name, cap, least, body in plan:
+        step = Step(name)
+        left = check.left()
+        if left < least:
+            step.status = "skipped"
+            step.lines.append(f"skipped: {left:.0f} s of the budget left, the step needs at least {least:.0f}")
+        else:
+            start = time.monotonic()
+            try:
+                body(check, step, min(cap, left))
+            except Exception as error:  # a broken step is reported, and the next ones still run
+                step.status = "failed"
+                step.lines.append(f"{type(error).__name__}: {error}")
+            step.seconds = round(time.monotonic() - start, 1)
+        steps.append(step)
+        print(f"gpu-check: {step.name}: {step.status} ({step.seconds:.0f} s)", *step.lines, sep="\n  ", flush=True)
+    write_summary(check, steps)
+    sys.exit(1 if any(step.status in ("failed", "timed out") for step in steps) else 0)
+
+
+def environment(check: Check, step: Step, cap: float, wheels: str | None) -> None:
+    """Install the carried wheels into a fresh temporary path ahead of the machine's own packages."""
+    paths = [str(REPO)]
+    if wheels:
+        files = sorted(str(p) for p in Path(wheels).glob("*.whl"))
+        site = tempfile.mkdtemp(prefix="finetune-wheels-")
+        install = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+        returncode, output = check.run([*install, "--target", site, *files], "summary.log", cap)
+        if returncode != 0:
+            step.status = "failed"
+            step.lines.append(f"installing {len(files)} wheels failed: {output.strip()[-500:]}")
+            return
+        paths.insert(0, site)
+        step.lines.append(f"wheels installed into {site}: {', '.join(Path(f).name for f in files)}")
+    check.env["PYTHONPATH"] = os.pathsep.join([*paths, check.env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    returncode, output = check.run([sys.executable, __file__, "--print-environment"], "summary.log", cap)
+    step.lines.append(output.strip().splitlines()[-1] if output.strip() else "no environment line")
+    if returncode != 0:
+        step.status = "failed"
+
+
+def environment_line() -> str:
+    import platform
+
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    cuda = torch.version.cuda or "none"
+    versions = []
+    for name in VERSIONS:
+        try:
+            versions.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{name} missing")
+    return f"{device}; CUDA {cuda}; Python {platform.python_version()}; " + ", ".join(versions)
+
+
+def tests(check: Check, step: Step, cap: float) -> None:
+    """The `cuda`-marked tests (make test-gpu); without a GPU, collected only."""
+    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-rs", "-q", "-p", "no:cacheprovider"]
+    returncode, output = check.run(command + ([] if check.gpu else ["--collect-only"]), "test-gpu.log", cap)
+    closing = [line for line in output.splitlines() if PYTEST_CLOSING.search(line)]
+    step.lines.append(closing[-1].strip("= ") if closing else "no pytest summary line")
+    step.lines += [line for line in output.splitlines() if line.startswith(("FAILED", "ERROR"))][:10]
+    _ended(step, returncode, cap)
+
+
+def demo(check: Check, step: Step, cap: float) -> None:
+    """`make demo` on one device: build, train on single_gpu.yaml with 1 process, report exact match."""
+    deadline = time.monotonic() + cap
+    root = check.work / "demo"
+    build = [sys.executable, "-m", "finetune", "demo", "build", "--dir", str(root)]
+    returncode, _ = check.run(build, "demo.log", cap)
+    if not _ended(step, returncode, cap, "demo build"):
+        return
+    run = root / "run"
+    overrides = {
+        "model.name_or_path": root / "base",
+        "data.train_path": root / "data" / "train.jsonl",
+        "data.eval_path": root / "data" / "eval.jsonl",
+        "output.dir": run,
+        "output.trackers": "[]",
+        # CPU form: a few steps show the command works; the 300 steps are the GPU's to time.
+        **({} if check.gpu else {"train.max_steps": 10, "train.eval_every_steps": 5, "optim.warmup_steps": 2}),
+    }
+    train = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+        str(REPO / "accelerate_configs" / "single_gpu.yaml"), "--num_processes", "1", "--mixed_precision", "no",
+        "-m", "finetune", "train", str(REPO / "recipes" / "demo" / "tiny_llama.yaml"),
+        *[f"{key}={value}" for key, value in overrides.items()],
+    ]  # fmt: skip
+    start = time.monotonic()
+    returncode, output = check.run(train, "demo.log", deadline - time.monotonic())
+    step.lines.append(f"training: {time.monotonic() - start:.1f} s wall ({_last_line(output, 'step')})")
+    if not _ended(step, returncode, cap, "demo training"):
+        return
+    report = [sys.executable, "-m", "finetune", "demo", "report", "--dir", str(root), "--run", str(run)]
+    returncode, output = check.run(report, "demo.log", deadline - time.monotonic())
+    step.lines += [line.strip() for line in output.splitlines() if "exact match" in line or "%)" in line]
+    _ended(step, returncode, cap, "demo report")
+
+
+def bench(check: Check, step: Step, cap: float) -> None:
+    """bench/gpu.py: the best-known variant with and without regional compile, at micro-batch 8 and 16, each
+    launch profiling one late step (left out of its rates): the profile step keeps the fastest one's table."""
+    command = [sys.executable, str(REPO / "bench" / "gpu.py"), "--micro-batch", *MICRO_BATCHES]
+    command += [arg for name in BEST_VARIANTS for arg in ("--variant", name)]
+    command += ["--work", str(check.work / "bench"), "--out", str(check.work / "results")]
+    # After allocator warm-up and compilation; --quick runs 6 steps.
+    command += ["--steps", "10", "--profile", "9,9"] if check.gpu else ["--quick", "--profile", "5,5"]
+    shutil.rmtree(check.work / "results", ignore_errors=True)
+    returncode, _ = check.run(command, "bench.log", cap)
+    results = _bench_results(check.work / "results")
+    if results is None:
+        step.status = "failed" if returncode is not None else "timed out"
+        step.lines.append("bench/gpu.py finished no variant (bench.log says why)")
+        return
+    for suffix in (".json", ".md"):
+        shutil.copy(results["_stem"].with_suffix(suffix), check.out)
+    for row in results["rows"]:
+        if "error" in row:
+            step.lines.append(f"{row['variant']}, micro-batch {row['micro_batch']}: failed: {row['error']}")
+            continue
+        mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a"
+        step.lines.append(
+            f"{row['variant']}, micro-batch {row['micro_batch']}: {row['tokens_per_second_per_gpu']:.0f} tokens/s, "
+            f"MFU {mfu}, fill {row['fill']:.3f}, peak {row['peak_memory_bytes'] / 2**30:.1f} GiB"
+        )
+    _ended(step, returncode, cap, "bench/gpu.py")
+    if any("error" in row for row in results["rows"]):
+        step.status = "failed"
+
+
+def profile(check: Check, step: Step, cap: float) -> None:
+    """The operator table of the fastest variant's profiled step, beside the results."""
+    results = _bench_results(check.work / "results")
+    rows = [row for row in (results or {"rows": []})["rows"] if "error" not in row]
+    if not rows:
+        step.status = "skipped"
+        step.lines.append("skipped: no variant was measured")
+        return
+    best = max(rows, key=lambda row: row["tokens_per_second_per_gpu"])
+    slug = best["variant"].replace(" ", "-").replace(",", "")
+    table = Path(f"{results['_stem']}-profile-{slug}-mb{best['micro_batch']}.txt")
+    shutil.copy(table, check.out)
+    step.lines.append(f"{best['variant']}, micro-batch {best['micro_batch']}: {table.name}")
+    lines = table.read_text().splitlines()
+    step.lines += [re.sub(r"\s{2,}", "  ", line.strip()) for line in lines[1:2] + lines[3:13]]
+
+
+def _bench_results(folder: Path) -> dict | None:
+    """bench/gpu.py's results in `folder` (it rewrites them after every launch), with their path's stem."""
+    found = sorted(folder.glob("*-gpu*.json"))
+    return json.loads(found[0].read_text()) | {"_stem": found[0].with_suffix("")} if found else None
+
+
+def _ended(step: Step, returncode: int | None, cap: float, what: str = "the command") -> bool:
+    """Record how a command ended on its step; True when it succeeded."""
+    if returncode is None:
+        step.status = "timed out"
+        step.lines.append(f"{what} stopped at the step's cap of {cap:.0f} s")
+    elif returncode != 0:
+        step.status = "failed"
+        step.lines.append(f"{what} exited {returncode}")
+    return returncode == 0
+
+
+def _last_line(output: str, word: str) -> str:
+    lines = [line.strip() for line in output.splitlines() if word in line]
+    return lines[-1][-160:] if lines else "no progress line"
+
+
+def write_summary(check: Check, steps: list[Step]) -> None:
+    """summary.json and summary.md; the environment step's own commands and output close summary.md."""
+    commit = os.environ.get("BENCH_COMMIT") or _git_commit()
+    mode = "GPU" if check.gpu else "no GPU: dry run"
+    summary = {"commit": commit, "mode": mode, "budget_seconds": check.budget_seconds}
+    (check.out / "summary.json").write_text(json.dumps({**summary, "steps": [asdict(s) for s in steps]}, indent=2))
+    lines = [f"# gpu-check at {commit} ({mode}), budget {check.budget_seconds:.0f} s", ""]
+    for step in steps:
+        lines += [f"## {step.name}: {step.status} ({step.seconds:.0f} s)", "", "```", *step.lines, "```", ""]
+    log = check.out / "summary.log"
+    if log.exists():  # folded in: the device tool brings back 8 files
+        lines += ["## the environment step's commands", "", "```", log.read_text().rstrip(), "```", ""]
+        log.unlink()
+    (check.out / "summary.md").write_text("\n".join(lines))
+
+
+def _git_commit() -> str:
+    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return result.stdout.strip() or "unknown"
+
+
+def download_wheels(folder: Path) -> None:
+    """The wheels a GPU machine (Python 3.12, x86-64 Linux, no network) needs, at this environment's versions."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.whl"):
+        stale.unlink()  # one version of each: two stop the install there
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in WHEELS]
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12"]
+    command += ["--implementation", "cp", *[arg for p in PLATFORMS for arg in ("--platform", p)], "-d", str(folder)]
+    subprocess.run([*command, *pins], check=True)
+    total = sum(p.stat().st_size for p in folder.glob("*.whl"))
+    print(f"{len(pins)} wheels in {folder}, {total / 2**20:.1f} MiB: {', '.join(pins)}")
+
+
+if __name__ == "__main__":
+    main()
