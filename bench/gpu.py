@@ -34,8 +34,9 @@ from pathlib import Path
 from run import CONFIGS, ENV, RECIPE, REPO, _free_port, _git, _steady
 
 SHAPE = REPO / "recipes" / "llama" / "configs" / "Llama-3.2-1B-Instruct" / "config.json"
-# The recipe sets checkpointing (train.activation_checkpointing), so the FSDP preset's own is turned off.
+# The recipe sets checkpointing (train.activation_checkpointing), so an FSDP preset's own is turned off.
 NO_FSDP_AC = ["--fsdp_activation_checkpointing", "false"]
+ENGINES = {"single_gpu.yaml": "one GPU, no FSDP"}
 COMPILE = ["--dynamo_backend", "inductor", "--dynamo_use_regional_compilation"]
 VARLEN = {"model.attn_implementation": "varlen"}
 # One lever at a time against "chunked loss, no checkpointing" (the defaults), then all the levers that pay
@@ -60,6 +61,9 @@ def main() -> None:
     parser.add_argument("--variant", action="append", help="run the variant of exactly this name (repeatable)")
     parser.add_argument("--work", default=str(REPO / "outputs" / "bench-gpu"))
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    parser.add_argument(
+        "--config", help="accelerate config (default: single_gpu.yaml on one GPU, else single_node.yaml)"
+    )
     parser.add_argument("--profile", help="FIRST,LAST: steps to record with the torch profiler (train.profile_steps)")
     args = parser.parse_args()
     import torch
@@ -72,7 +76,7 @@ def main() -> None:
     data = build_data(work, seq)
     gpus = 2 if args.quick else torch.cuda.device_count()
     device = "CPU (quick)" if args.quick else f"{gpus} x {torch.cuda.get_device_name(0)}"
-    config = "single_gpu.yaml" if gpus == 1 else "single_node.yaml"
+    config = args.config or ("single_gpu.yaml" if gpus == 1 else "single_node.yaml")
     variants = {name: lever for name, lever in VARIANTS.items() if chosen(name, args)}
     if not variants:
         raise SystemExit(f"bench-gpu: no variant matches; they are: {', '.join(VARIANTS)}")
@@ -82,7 +86,7 @@ def main() -> None:
             print(f"bench-gpu: {name}, micro-batch {micro_batch} ...", flush=True)
             rows.append(measure(name, config, launch_args, recipe, model, data, work, seq, gpus, micro_batch, args))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "profile"}), flush=True)
-            table = write_results(rows, device, gpus, seq, torch.__version__, args)
+            table = write_results(rows, device, config, seq, torch.__version__, args)
     print(table, flush=True)
 
 
@@ -95,7 +99,7 @@ def chosen(name: str, args) -> bool:
     return True
 
 
-def write_results(rows: list[dict], device: str, gpus: int, seq: int, torch_version: str, args) -> str:
+def write_results(rows: list[dict], device: str, config: str, seq: int, torch_version: str, args) -> str:
     """The results so far, as JSON and Markdown (and each profiled row's operator table); returns the table."""
     results = {
         "date": __import__("datetime").date.today().isoformat(),
@@ -106,7 +110,7 @@ def write_results(rows: list[dict], device: str, gpus: int, seq: int, torch_vers
         "compute": "float32 (CPU)" if args.quick else "bf16",
         "sequence_length": seq,
         "micro_batch": args.micro_batch,  # each row says its own
-        "engine": "one GPU, no FSDP (single_gpu.yaml)" if gpus == 1 else "FSDP2 full shard (single_node.yaml)",
+        "engine": ENGINES.get(config, "FSDP2 full shard") + f" ({config})",
         "mfu_formula": "6 N per token + 6 L d_attn n^2 per sample of n tokens (finetune/flops.py); peak: dense bf16",
         "rows": rows,
     }
@@ -188,7 +192,8 @@ def measure(
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
         "--num_processes", str(gpus), "--num_machines", "1", "--main_process_port", str(_free_port()),
-        "--mixed_precision", "no" if args.quick else "bf16", *(NO_FSDP_AC if gpus > 1 else []), *launch_args,
+        "--mixed_precision", "no" if args.quick else "bf16", *(NO_FSDP_AC if config != "single_gpu.yaml" else []),
+        *launch_args,
         "-m", "finetune", "train", str(RECIPE), *[f"{k}={v}" for k, v in overrides.items()],
     ]  # fmt: skip
     result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1800)

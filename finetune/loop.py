@@ -567,8 +567,8 @@ def train_step(
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
     grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
     # The step's one host sync, after the last backward: the divergence guard needs the loss and the gradient
-    # norm before the update.
-    on_host = torch.cat([counts, reduced.double(), grad_norm.reshape(1).double()]).tolist()
+    # norm before the update. Under CPU offload the gradients, and so their norm, are in host memory.
+    on_host = torch.cat([counts, reduced.double(), grad_norm.reshape(1).to(device, torch.float64)]).tolist()
     num_units, num_tokens, num_slots, step_flops, summed_loss, stops, *summed_metrics, grad_norm = on_host
     loss = summed_loss / max(num_units, 1)
     step_metrics = {

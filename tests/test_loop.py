@@ -199,6 +199,7 @@ def test_batches_collated_by_a_worker_as_on_gpus_are_the_in_process_ones():
 
 @pytest.mark.cuda
 def test_on_a_gpu_a_step_waits_for_the_device_once(model):
+    import traceback
     import warnings
 
     attention.register()
@@ -214,12 +215,19 @@ def test_on_a_gpu_a_step_waits_for_the_device_once(model):
     ]
     train_step(varlen, optimizer, micro_batches, accelerator, max_grad_norm=1.0, step=1, loss_path="chunked")
     torch.cuda.synchronize()
+    syncs: list[str] = []  # where each one was called from: the Python frames nearest to it
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
+            syncs.append("".join(traceback.format_list(frames[-5:])))
+
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = record
             train_step(varlen, optimizer, micro_batches, accelerator, max_grad_norm=1.0, step=2, loss_path="chunked")
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
-    assert len(syncs) == 1, "\n".join(syncs)
+    assert len(syncs) == 1, "\n\n".join(syncs)
