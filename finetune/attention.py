@@ -103,6 +103,12 @@ def varlen_attention(
         raise ValueError("varlen attention takes packed rows flattened into one (finetune.loss.model_inputs does)")
     # (1, heads, tokens, dim) -> (tokens, heads, dim), the layout of varlen kernels.
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    if torch.is_autocast_enabled(q.device.type):
+        # Under autocast (one GPU without FSDP: float32 parameters, a float32 residual stream) the rotary
+        # embedding returns float32 queries and keys beside bf16 values. Autocast casts SDPA's inputs to its
+        # dtype; so does this path, or no varlen kernel takes them and the fallback holds float32 scores.
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
     if _flash_runs(q.device, q.dtype):
         out = _flash(q, k, v, cu, kwargs["max_length_q"], scaling)
     else:

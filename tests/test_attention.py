@@ -114,6 +114,21 @@ def test_varlen_refuses_what_its_kernels_cannot_do(change, reason):
     assert attention.unsupported(ARCHITECTURES["llama"]) is None
 
 
+def test_under_autocast_varlen_picks_its_kernel_for_the_autocast_dtype(monkeypatch):
+    """accelerate without FSDP (single_gpu.yaml) runs float32 parameters under autocast: the rotary embedding
+    then returns float32 queries and keys beside bf16 values. The kernel is chosen, and runs, in the autocast
+    dtype, as SDPA's inputs are cast: on an H200 the float32 fallback took 3x the step time and memory."""
+    asked = []
+    monkeypatch.setattr(attention, "_flash_runs", lambda device, dtype: asked.append(dtype) or False)
+    reference, varlen = pair("llama")
+    batch = packed_batch([[5, 7], [12]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = batch_loss(varlen, batch, "full_logits").total
+        expected = batch_loss(reference, batch, "full_logits").total
+    assert asked == [torch.bfloat16] * 2  # one call per layer
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=0)  # bf16: two kernels, two roundings
+
+
 def test_batch_flops_count_each_samples_attention():
     """Packed rows: attention FLOPs grow with the sum of squared sample lengths, not rows x length squared."""
     model = transformers.AutoModelForCausalLM.from_config(ARCHITECTURES["llama"])

@@ -87,6 +87,41 @@ def test_the_chunked_projection_with_a_bias_and_in_bf16():
             torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
 
 
+def test_under_autocast_the_chunked_head_multiplies_in_the_autocast_dtype(monkeypatch):
+    """accelerate without FSDP (single_gpu.yaml): float32 weights under bf16 autocast. The chunked head's
+    gradient products run in bf16 as the reference's backward does (an in-place float32 addmm_ is not
+    autocast: on an H200 it ran as a SIMT SGEMM); the loss and gradients match the reference's to bf16."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Float32Matmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+                self.count += all(a.dtype == torch.float32 for a in args if isinstance(a, torch.Tensor))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setitem(loss_module._CHUNK_BYTES, "cpu", 4 * 96 * 5)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(13, 16, generator=generator).requires_grad_()
+    head = torch.nn.Linear(16, 96, bias=False)
+    targets = torch.randint(0, 96, (13,), generator=generator)
+    targets[[2, 7]] = IGNORE
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = F.cross_entropy(head(hidden).float(), targets, ignore_index=IGNORE, reduction="sum")
+        expected = torch.autograd.grad(losses, [hidden, head.weight])
+        with Float32Matmuls() as matmuls:
+            total, _ = loss_module._LinearCrossEntropy.apply(hidden, head.weight, None, targets, True)
+        got = torch.autograd.grad(total, [hidden, head.weight])
+    assert matmuls.count == 0
+    torch.testing.assert_close(total, losses, rtol=1e-2, atol=0)
+    for a, b in zip(got, expected, strict=True):
+        assert a.dtype == b.dtype == torch.float32
+        assert (a - b).norm() <= 1e-2 * b.norm()
+
+
 def test_models_whose_logits_are_more_than_a_projection_keep_the_reference():
     gemma2 = transformers.AutoModelForCausalLM.from_config(
         transformers.Gemma2Config(**SMALL, intermediate_size=64, head_dim=8, final_logit_softcapping=30.0)
