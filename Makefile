@@ -7,7 +7,7 @@ VENV ?= .venv
 # VENV= (empty) runs an existing environment's $(PYTHON) as it is, installing nothing: a GPU machine's, which
 # keeps its own torch (what it lacks travels as wheels: make gpu-wheels, then make gpu-check).
 PY := $(if $(VENV),$(VENV)/bin/python,$(PYTHON))
-ACCELERATE := $(PY) -m accelerate.commands.accelerate_cli
+ACCELERATE := $(if $(VENV),$(VENV)/bin/accelerate,$(PY) -m accelerate.commands.accelerate_cli)
 RUFF := $(PY) -m ruff
 STAMP := $(if $(VENV),$(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1))
 

@@ -375,15 +375,18 @@ def trained_base(checkpoint: Path) -> str | None:
     return json.loads(record.read_text()).get("base") if record.is_file() else None
 
 
-def check_resume_base(checkpoint: Path, name_or_path: str, fingerprint: str | None) -> None:
+def check_resume_base(checkpoint: Path, name_or_path: str, folder: Path | None) -> None:
     """Adapters resume only on the base they trained on: the same name is not enough, since a folder
-    can be overwritten and a hub model updated, and on another base the adapters would be meaningless."""
+    can be overwritten and a hub model updated, and on another base the adapters would be meaningless.
+    `folder` holds the base now (None while a hub model is not cached yet: checked again once it is)."""
+    from finetune.fingerprint import matches
+
     trained = trained_base(checkpoint)
-    if trained is not None and fingerprint is not None and trained != fingerprint:
+    if trained is not None and folder is not None and not matches(folder, trained):
         raise FinetuneError(
             f"checkpoint {checkpoint} trained its adapters on another base model than {name_or_path!r} holds now "
-            f"(fingerprint {trained}, now {fingerprint}: its config or weights changed); resume on the base it "
-            "trained on, or start a new output.dir"
+            f"(its config or weights changed since: fingerprint {trained} then); resume on the base it trained on, "
+            "or start a new output.dir"
         )
 
 

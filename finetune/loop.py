@@ -62,6 +62,7 @@ from finetune.distributed import (
     strategy_name,
 )
 from finetune.errors import FinetuneError
+from finetune.fingerprint import sampled_fingerprint, weights_fingerprint
 from finetune.flops import ModelFlops, model_flops, peak_flops
 from finetune.launch import environment_problems
 from finetune.loss import LossPath, choose_loss_path
@@ -82,7 +83,6 @@ from finetune.model import (
     load_tokenizer,
     model_folder,
     save_model_files,
-    weights_fingerprint,
 )
 from finetune.objectives import Balanced, Objective, Preference, Supervised
 from finetune.optim import build_optimizer, build_scheduler
@@ -183,7 +183,7 @@ def preflight(recipe: RecipeConfig) -> Path | None:
             from finetune.adapters import check_resume_adapters  # imports peft (2 s): adapter runs only
 
             check_resume_adapters(resume_from, recipe.peft)
-            check_resume_base(resume_from, recipe.model.name_or_path, _base_fingerprint(recipe))
+            check_resume_base(resume_from, recipe.model.name_or_path, model_folder(recipe.model.name_or_path))
     return resume_from
 
 
@@ -233,7 +233,7 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
         # Checked again now that a hub base is surely in the cache (preflight may have run before it was).
         base = _base_fingerprint(recipe)
         if resume_from is not None:
-            check_resume_base(resume_from, recipe.model.name_or_path, base)
+            check_resume_base(resume_from, recipe.model.name_or_path, model_folder(recipe.model.name_or_path))
         adapters = {**peft_adapters.adapter_record(model), "base": base, "settings": dataclasses.asdict(recipe.peft)}
     names = tensor_names(model)  # before FSDP renames or flattens anything; saved with every checkpoint
     data = build_data(
@@ -348,7 +348,11 @@ def build_objective(
     output_file = Path(recipe.output.dir) / REFERENCE_FILE
     cached = cache_path(data.splits[0], key)
     if resume_from is not None:
-        table = check_resumable(read_reference(output_file, key), Path(recipe.output.dir))
+        table = read_reference(output_file, key)
+        folder = model_folder(recipe.model.name_or_path)
+        if table is None and folder is not None:  # a run begun by an earlier version keyed it by sampled bytes
+            table = read_reference(output_file, reference_key(sampled_fingerprint(folder), data.splits, numerics))
+        table = check_resumable(table, Path(recipe.output.dir))
     elif cached is not None and (table := read_reference(cached, key)) is not None:
         accelerator.print(f"reference: log-probabilities of {len(table):,} pairs read from {cached}")
     else:

@@ -255,7 +255,8 @@ def _base_weights(name_or_path: str, trained_on: str | None) -> CheckpointWeight
                 f"the base model {name_or_path!r} that the adapter names is not available ({first_line(exc)}); "
                 "export without --merge, or make the base model reachable (a local folder or the hub cache)"
             ) from None
-    from finetune.model import DEQUANTIZED_ON_LOAD, quantized_method, weights_fingerprint
+    from finetune.fingerprint import matches
+    from finetune.model import DEQUANTIZED_ON_LOAD, quantized_method
 
     config = folder / "config.json"
     method = quantized_method(json.loads(config.read_text())) if config.is_file() else None
@@ -266,7 +267,7 @@ def _base_weights(name_or_path: str, trained_on: str | None) -> CheckpointWeight
             "unquantized model by pointing base_model_name_or_path in hf/adapter_config.json at it"
         )
     files = model_weight_files(folder)
-    if trained_on is not None and weights_fingerprint(folder) != trained_on:
+    if trained_on is not None and not matches(folder, trained_on):
         raise FinetuneError(
             f"the base model {name_or_path!r} is not the one the adapter trained on (its config or weights changed "
             "since); point base_model_name_or_path in the checkpoint's hf/adapter_config.json at the base it trained "

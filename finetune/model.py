@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,6 @@ _DROPOUT_MODULES = (
     torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
     torch.nn.FeatureAlphaDropout,
 )  # fmt: skip
-_FINGERPRINT_SAMPLE = 4096  # bytes per sample of a weight file in weights_fingerprint
 
 
 def hub_problem(name_or_path: str, exc: BaseException) -> str | None:
@@ -68,29 +65,6 @@ def model_folder(name_or_path: str) -> Path | None:
         return Path(snapshot_download(name_or_path, local_files_only=True))
     except Exception:  # not cached, not a valid id: the hub raises many types
         return None
-
-
-def weights_fingerprint(folder: Path) -> str:
-    """Identifies the model stored in `folder` without reading all of it: a hash of its config (less
-    the fields that name rather than define it) and, for each weight file (safetensors, else .bin),
-    its name, size and 16 evenly spaced 4 KiB samples of its bytes. Another model of the same
-    architecture, a fine-tune of this one included, differs in those samples: its weights all moved."""
-    digest = hashlib.sha256()
-    config_file = folder / "config.json"
-    if config_file.is_file():
-        config = json.loads(config_file.read_text())
-        for naming in ("_name_or_path", "transformers_version"):
-            config.pop(naming, None)
-        digest.update(json.dumps(config, sort_keys=True).encode())
-    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
-    for file in files:
-        size = file.stat().st_size
-        digest.update(f"{file.name}:{size}".encode())
-        with file.open("rb") as f:
-            for i in range(16):
-                f.seek(i * max(size - _FINGERPRINT_SAMPLE, 0) // 15)
-                digest.update(f.read(_FINGERPRINT_SAMPLE))
-    return digest.hexdigest()[:16]
 
 
 # Attention kernels that come from a package of their own, and the module that package installs.

@@ -244,3 +244,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def flip_one_weight_between_samples(file: Path) -> None:
+    """Flip the lowest bit of one float32 weight of a safetensors file, in place, half-way between two of the 16
+    evenly spaced 4 KiB samples an earlier fingerprint read: a change as small as a re-export's, where no
+    sample looked."""
+    size = file.stat().st_size
+    with file.open("r+b") as f:
+        data_start = 8 + int.from_bytes(f.read(8), "little")
+        starts = [i * (size - 4096) // 15 for i in range(16)]
+        middle = (starts[7] + 4096 + starts[8]) // 2
+        offset = data_start + (middle - data_start) // 4 * 4  # an element's first, least significant, byte
+        assert data_start < offset and starts[7] + 4096 <= offset < starts[8]
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 1]))

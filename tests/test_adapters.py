@@ -14,7 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CHECKPOINT_SETTINGS, CONFIGS, DEMO_RECIPE, REPO, Run, _run, launch, recipe_overrides
+from conftest import (
+    CHECKPOINT_SETTINGS,
+    CONFIGS,
+    DEMO_RECIPE,
+    REPO,
+    Run,
+    _run,
+    flip_one_weight_between_samples,
+    launch,
+    recipe_overrides,
+)
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
@@ -25,8 +35,9 @@ from finetune.checkpoint import ADAPTER_STATE, MARKER, MODEL_FILES, check_resume
 from finetune.config import PeftConfig, load_recipe
 from finetune.errors import FinetuneError
 from finetune.export import export_checkpoint
+from finetune.fingerprint import weights_fingerprint
 from finetune.launch import environment_problems, read_launch
-from finetune.model import load_model, weights_fingerprint
+from finetune.model import load_model
 from finetune.plan import estimate, model_shape, planned_model
 
 pytestmark = pytest.mark.multiprocess
@@ -336,16 +347,13 @@ def test_checkpoints_resume_only_their_own_kind(lora_run, one_process_run):
 
 
 def test_adapters_resume_and_merge_only_on_the_base_they_trained_on(lora_run, demo_assets, tmp_path):
-    """A base changed under its name (here: slightly fine-tuned and saved over) is refused by resume and by
-    --merge, before anything is written; the same base copied elsewhere is the same base."""
+    """A base changed under its name (here: one weight, as little as a re-export in place changes) is refused by
+    resume and by --merge, before anything is written; the same base copied elsewhere is the same base."""
     base, step_4 = demo_assets / "base", lora_run.output_dir / "checkpoints" / "step_4"
     assert weights_fingerprint(shutil.copytree(base, tmp_path / "copy")) == weights_fingerprint(base)
     assert trained_base(step_4) == weights_fingerprint(base)
     changed = shutil.copytree(base, tmp_path / "changed")
-    model = AutoModelForCausalLM.from_pretrained(base)
-    with torch.no_grad():
-        model.model.layers[1].mlp.down_proj.weight.add_(1e-3)
-    model.save_pretrained(changed)
+    flip_one_weight_between_samples(changed / "model.safetensors")  # one weight, by its last bit
     assert weights_fingerprint(changed) != weights_fingerprint(base)
 
     output_dir = tmp_path / "resume"

@@ -137,7 +137,7 @@ def test_gpu_check_skips_what_its_budget_cannot_hold(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     statuses = {step["name"]: step["status"] for step in summary["steps"]}
     assert statuses == {**dict.fromkeys(statuses, "skipped"), "environment": "passed"}
-    assert "skipped: " in summary["steps"][1]["lines"][0] and "needs at least 30" in summary["steps"][1]["lines"][0]
+    assert "skipped: " in summary["steps"][1]["lines"][0] and "the step needs 30" in summary["steps"][1]["lines"][0]
 
 
 def test_model_flops_per_token_follow_the_stated_formula():
