@@ -169,9 +169,8 @@ def preflight(recipe: RecipeConfig) -> Path | None:
         check_model_path(recipe.preference.reference_model)
     check_quantized_base(recipe.model, adapters=recipe.peft is not None, export_merged=recipe.output.export_merged)
     quantization = recipe.peft.quantization if recipe.peft is not None and recipe.peft.quantization != "none" else None
-    target_experts = recipe.peft is not None and recipe.peft.target_experts
     check_experts_recipe(
-        load_model_config(recipe.model), quantization, recipe.train.router_aux_loss_coef, target_experts
+        load_model_config(recipe.model), quantization, recipe.train.router_aux_loss_coef, _adapts_experts(recipe)
     )
     problems = environment_problems(recipe)
     if problems:
@@ -185,6 +184,13 @@ def preflight(recipe: RecipeConfig) -> Path | None:
             check_resume_adapters(resume_from, recipe.peft)
             check_resume_base(resume_from, recipe.model.name_or_path, model_folder(recipe.model.name_or_path))
     return resume_from
+
+
+def _adapts_experts(recipe: RecipeConfig) -> str | None:
+    """The peft key that adapts parameters (fused expert weights) rather than modules, if the recipe sets one."""
+    if recipe.peft is not None and recipe.peft.target_experts:
+        return "peft.target_experts"
+    return "peft.target_parameters" if recipe.peft is not None and recipe.peft.target_parameters else None
 
 
 def _objective_name(recipe: RecipeConfig) -> str:

@@ -83,6 +83,13 @@ class ExpertUpdates:
             a, b = adapter.pop(f"{prefix}.lora_A.weight"), adapter.pop(f"{prefix}.lora_B.weight")
             self.parts[parameter] = (a, b, experts, swapped)
         self.shapes = {name: p.shape for name, p in model.named_parameters() if name in self.parts}
+        plain = [name for name, shape in self.shapes.items() if len(shape) != 3]
+        if plain:  # a limit of the merge, not a fault of the checkpoint: say so before reading anything
+            raise FinetuneError(
+                f"the adapter adapts {', '.join(plain)} through target_parameters, and the merge folds such updates "
+                "only into fused expert weights (experts x out x in); export without --merge (PEFT loads the adapter "
+                "onto the base), or train that weight with peft.target_modules"
+            )
 
     def in_layout(self, hub: HubLayout | None) -> None:
         """Name each update's pieces as the base's files store them (fused, or one tensor per expert)."""

@@ -108,18 +108,21 @@ def check_grouped_mm_shapes(model: torch.nn.Module, compute_dtype: torch.dtype) 
 
 
 def check_experts_recipe(
-    config, quantization: str | None, requested_coefficient: float | None, target_experts: bool = False
+    config, quantization: str | None, requested_coefficient: float | None, adapts_experts: str | None = None
 ) -> None:
     """What a recipe asks of a model's experts, checked from its config before anything loads: a balancing loss
-    only where the model has one; adapters on experts only where there are experts; no 4-bit base for a mixture
-    of experts, whose experts bitsandbytes would leave unquantized (it quantizes linear layers; transformers
-    holds the experts as fused 3-D tensors)."""
+    only where the model has one; adapters on experts (`adapts_experts`: the peft key that asks for them,
+    target_experts or target_parameters) only where there are experts; no 4-bit base for a mixture of experts,
+    whose experts bitsandbytes would leave unquantized (it quantizes linear layers; transformers holds the
+    experts as fused 3-D tensors)."""
     balancing_coefficient(config, requested_coefficient)
     experts = experts_of(config)
-    if target_experts and experts is None:
+    if adapts_experts is not None and experts is None:
+        # target_parameters would adapt a dense model's 2-D weights too, but nothing past training knows them:
+        # the merge folds parameter adapters into fused expert weights only.
         raise FinetuneError(
-            f"peft.target_experts adapts the routed experts of a mixture of experts, and this {config.model_type} "
-            "model is dense; remove peft.target_experts (target_modules: [all-linear] covers its MLPs)"
+            f"{adapts_experts} adapts the fused expert weights of a mixture of experts, and this {config.model_type} "
+            f"model is dense; remove {adapts_experts} (target_modules: [all-linear] covers its MLPs)"
         )
     if experts is not None and quantization is not None:
         raise FinetuneError(

@@ -609,9 +609,45 @@ def test_expert_adapters_are_refused_where_they_cannot_train():
     ]
     assert "set peft.dropout: 0" in PeftConfig(target_parameters=["experts.down_proj"], dropout=0.1).errors()[0]
     with pytest.raises(FinetuneError, match="this llama model is dense; remove peft.target_experts"):
-        check_experts_recipe(AutoConfig.for_model("llama"), None, None, target_experts=True)
+        check_experts_recipe(AutoConfig.for_model("llama"), None, None, "peft.target_experts")
     from finetune.adapters import check_adapter_targets
 
     model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
     with pytest.raises(FinetuneError, match=r"names experts.gate_proj, which .*\(fused expert\) parameters are: mlp"):
         check_adapter_targets(model, PeftConfig(target_parameters=["experts.gate_proj"]))
+
+
+def test_parameter_adapters_on_a_dense_model_are_refused_before_loading(demo_assets, tmp_path):
+    """peft.target_parameters on a dense model would train its 2-D weights, then fail at the merge: refused before
+    anything loads or is written, naming the setting."""
+    output_dir = tmp_path / "out"
+    overrides = recipe_overrides(
+        demo_assets, output_dir, **{"peft.r": 4, "peft.target_parameters": "[mlp.down_proj.weight]"}
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "finetune", "train", str(DEMO_RECIPE), *overrides],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert (
+        "peft.target_parameters adapts the fused expert weights of a mixture of experts, and this llama model "
+        "is dense; remove peft.target_parameters" in result.stderr
+    )
+    assert "Traceback" not in result.stderr and not output_dir.exists()
+
+
+def test_the_merge_names_its_own_limit_for_parameter_adapters_on_plain_weights(demo_assets):
+    """An adapter of an earlier version that adapted a dense model's 2-D weight through target_parameters: the
+    merge says it folds only fused expert weights (not that the checkpoint is damaged), before reading weights."""
+    from peft import LoraConfig, get_peft_model
+    from peft.utils import get_peft_model_state_dict
+
+    base = AutoModelForCausalLM.from_pretrained(demo_assets / "base")
+    config = {"r": 4, "lora_alpha": 8, "target_modules": [], "target_parameters": ["mlp.down_proj.weight"]}
+    adapted = get_peft_model(copy.deepcopy(base), LoraConfig(**config, task_type="CAUSAL_LM"))
+    adapter = {f"base_model.model.{k.removeprefix('base_model.model.')}": v
+               for k, v in get_peft_model_state_dict(adapted).items()}  # fmt: skip
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(base.config)
+    with pytest.raises(FinetuneError, match=r"folds such updates only into fused expert weights .* export without"):
+        merge_module.ExpertUpdates(meta, config, adapter)
