@@ -45,6 +45,40 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def dropped_processes() -> tuple[int, str] | None:
+    """(processes asked for, the config) when `accelerate launch --num_processes N` (N > 1) started this process
+    alone: its one-process launcher (a config with distributed_type: NO, such as single_gpu.yaml) drops N without
+    a word and passes nothing of it on, so N is read from the launcher's command line (Linux's /proc). None when
+    a launcher started the processes (torchrun sets WORLD_SIZE), when there was no `accelerate launch`, or where
+    /proc cannot tell."""
+    if "WORLD_SIZE" in os.environ:
+        return None
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
+    except (OSError, UnicodeDecodeError):
+        return None
+    launcher = any(a.endswith("accelerate.commands.launch") for a in argv) or (
+        any(Path(a).name == "accelerate" for a in argv) and "launch" in argv
+    )
+    options = dict(_options(argv))
+    asked = options.get("num_processes")
+    if not launcher or asked is None or not asked.isdigit() or int(asked) <= 1:
+        return None
+    return int(asked), Path(options.get("config_file", "the accelerate config")).name
+
+
+def _options(argv: list[str]) -> list[tuple[str, str]]:
+    """`--name value` and `--name=value` pairs of a command line, names with '_' for '-'."""
+    pairs = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--"):
+            name, _, value = arg[2:].partition("=")
+            if not value and i + 1 < len(argv):
+                value = argv[i + 1]
+            pairs.append((name.replace("-", "_"), value))
+    return pairs
+
+
 def has_accelerator() -> bool:
     """True when torch sees a GPU-like device that accelerate drives natively."""
     return torch.accelerator.is_available() and torch.accelerator.current_accelerator().type != "mps"
@@ -153,6 +187,14 @@ def _check_launch_environment(recipe_activation_checkpointing: bool) -> None:
         raise FinetuneError(
             "activation checkpointing is enabled both in the recipe (train.activation_checkpointing) and in the "
             "accelerate config (fsdp_activation_checkpointing); remove one of them"
+        )
+    dropped = dropped_processes()
+    if dropped is not None:
+        asked, config = dropped
+        raise FinetuneError(
+            f"accelerate launch was asked for {asked} processes, and {config} starts one (distributed_type: NO) "
+            "and drops the rest; launch it with --num_processes 1, or use accelerate_configs/ddp.yaml or "
+            "fsdp2_full_shard.yaml for several"
         )
     mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():

@@ -87,3 +87,13 @@ def test_single_gpu_config_trains_as_fsdp2_on_one_process_and_refuses_its_checkp
         before = sorted(p.name for p in (source / "checkpoints").iterdir())
         assert_user_error(launch(config, recipe_overrides(demo_assets, source, **more), num_processes=1), fragment)
         assert sorted(p.name for p in (source / "checkpoints").iterdir()) == before
+
+
+def test_single_gpu_config_launched_for_several_processes_is_refused_at_training(demo_assets, tmp_path):
+    """accelerate's one-process launcher starts one process for --num_processes 2 and says nothing: training
+    refuses it as `finetune check` does, before anything is written."""
+    output_dir = tmp_path / "out"
+    result = launch("single_gpu.yaml", recipe_overrides(demo_assets, output_dir), num_processes=2)
+    assert result.returncode != 0
+    assert "accelerate launch was asked for 2 processes, and single_gpu.yaml starts one" in result.stderr
+    assert "finetune: error: accelerate launch was asked for 2" in result.stderr and not output_dir.exists()
