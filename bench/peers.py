@@ -9,7 +9,7 @@ import json
 import torch.distributed as dist
 
 
-def write_steps(path: str, step_seconds: list[float], **counts: list[int]) -> None:
+def write_steps(path: str, step_seconds: list[float], **counts: list[int] | float) -> None:
     """The wall time and the global counts (target tokens, pairs) of every step, written once (by rank 0)."""
     if dist.get_rank() == 0:
         with open(path, "w") as file:

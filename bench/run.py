@@ -18,7 +18,7 @@ Comparisons (2 CPU processes over gloo unless stated):
   loss_path        train.loss chunked vs full_logits: step peak, bytes saved for backward, tokens/s
   lora_vs_full     LoRA vs full fine-tuning (FSDP2): step time, rank 0 memory, checkpoint bytes
   trl_lora         target tokens/s of finetune LoRA vs TRL's SFTTrainer + PEFT (packing, padding-free), DDP
-  dpo              DPO pairs/s and peak RSS vs TRL DPOTrainer (full: DDP, FSDP2; LoRA); precompute per epoch
+  dpo              DPO pairs/s and peak RSS vs TRL DPOTrainer, its defaults and its best (precomputed reference)
   merge            `finetune export --merge` vs PEFT's merge_and_unload() + save_pretrained: time, peak RSS
 """
 
@@ -560,12 +560,14 @@ class Bench:
     # ---- preference tuning --------------------------------------------------------------------------
 
     def dpo(self) -> dict:
-        """DPO (beta 0.1) against TRL's DPOTrainer with its defaults (bench/trl_dpo.py: DDP, chosen and rejected padded
-        into one forward, a reference model run every step), 2 processes, same model, pairs and micro-batch of 8
-        pairs of varied lengths, fp32 both: pairs/s, the peak resident memory of the largest process, and the rows'
-        fill. finetune runs packed, its reference precomputed, under DDP (the same engine as TRL's) and FSDP2. LoRA
-        on every linear layer: both take the policy with its adapters off as the reference. Also the precompute
-        pass's time as a fraction of one epoch of the same pairs."""
+        """DPO (beta 0.1) against TRL's DPOTrainer (bench/trl_dpo.py: DDP, chosen and rejected padded into one
+        forward) with its defaults (a reference model run every step) and at its best for the same work (its
+        reference precomputed), 2 processes, same model, pairs and micro-batch of 8 pairs of varied lengths, fp32
+        both: pairs/s, the peak resident memory of the largest process, and the rows' fill. finetune runs packed,
+        its reference precomputed, under DDP (the same engine as TRL's) and FSDP2. LoRA on every linear layer:
+        the policy with its adapters off as the reference, or (like with like against TRL's precompute) the
+        reference precomputed. A precompute pass is counted both ways: pairs/s of the steps alone, and over one
+        epoch of the same pairs with the pass's time added."""
         size = SIZES["tiny" if self.quick else "dpo"]
         model = self.model(size)
         count, steps = (64, 4) if self.quick else (160, 8)
@@ -575,60 +577,61 @@ class Bench:
             "data.train_path": pairs, "data.format": "preference", "data.max_length": 256, "preference.loss": "dpo",
             "preference.beta": 0.1, "train.micro_batch_size": 8, "train.max_steps": steps, "optim.lr": "1e-5",
         }  # fmt: skip
-        contenders = [("full", "fsdp2", {}), ("full", "ddp", {}), ("lora", "ddp", LORA)]
-        runs: dict[str, list[dict]] = {f"finetune_{kind}_{engine}": [] for kind, engine, _ in contenders}
-        runs |= {"trl_full": [], "trl_lora": []}
-        precompute: list[float] = []
+        precomputed = {"preference.reference": "precomputed"}
+        contenders = {
+            "finetune_full_fsdp2": ("fsdp2_full_shard.yaml", {}), "finetune_full_ddp": ("ddp.yaml", {}),
+            "finetune_lora_ddp": ("ddp.yaml", LORA), "finetune_lora_ddp_precomputed": ("ddp.yaml", LORA | precomputed),
+        }  # fmt: skip
+        peers = {"trl_full": (0, False), "trl_full_precomputed": (0, True), "trl_lora": (LORA["peft.r"], False),
+                 "trl_lora_precomputed": (LORA["peft.r"], True)}  # fmt: skip
+        runs: dict[str, list[dict]] = {name: [] for name in [*contenders, *peers]}
         for repeat in range(self.repeats):
-            for kind, engine, adapters in contenders:
-                name = f"dpo-{kind}-{engine}-{repeat}"
-                config = "fsdp2_full_shard.yaml" if engine == "fsdp2" else "ddp.yaml"
-                command, out = self.finetune_command(name, size, config, **dpo, **adapters)
-                log = self.work / "runs" / f"{name}.log"
+            for name, (config, settings) in contenders.items():
+                command, out = self.finetune_command(f"dpo-{name}-{repeat}", size, config, **dpo, **settings)
+                log = self.work / "runs" / f"dpo-{name}-{repeat}.log"
                 log.parent.mkdir(parents=True, exist_ok=True)
                 # A cache of its own: every run tokenizes and precomputes its reference (none reads another's).
-                cache = {"HF_DATASETS_CACHE": str(self.work / "runs" / f"{name}-cache")}
+                cache = {"HF_DATASETS_CACHE": str(self.work / "runs" / f"dpo-{name}-{repeat}-cache")}
                 _, peak = _timed_peak_rss(command, stdout=log, env=ENV | cache)
                 entries = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
                 steps_of = [e for e in entries if "loss" in e]
                 rate = _steady_rate([e["pairs"] for e in steps_of], [e["step_seconds"] for e in steps_of])
-                fill = statistics.median(e["fill"] for e in steps_of)
-                measured = {"pairs_per_second": rate, "peak_rss_bytes": peak, "fill": fill}
-                runs[f"finetune_{kind}_{engine}"].append(measured)
-                if (kind, engine) == ("full", "ddp"):
+                said = re.search(r"precomputed with the initial weights in ([0-9.]+) s", log.read_text())
+                runs[name].append(_dpo_measured(rate, peak, statistics.median(e["fill"] for e in steps_of),
+                                                float(said[1]) if said else 0.0, count))  # fmt: skip
+                if name == "finetune_full_ddp":
                     self.curves.setdefault("finetune DPO (DDP)", [e["loss"] for e in steps_of])
-                    said = re.search(r"precomputed with the initial weights in ([0-9.]+) s", log.read_text())
-                    precompute.append(float(said[1]) / (count / rate))
-            for kind, rank in (("full", 0), ("lora", LORA["peft.r"])):
-                result = self.work / "runs" / f"trl-dpo-{kind}-{repeat}.json"
+            for name, (rank, precompute) in peers.items():
+                result = self.work / "runs" / f"{name}-{repeat}.json"
                 _, peak = _timed_peak_rss([
                     sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                     str(_free_port()), str(REPO / "bench" / "trl_dpo.py"), str(model), str(pairs), str(steps), "8",
-                    "256", str(rank), str(result),
+                    "256", str(rank), str(result), "1" if precompute else "0",
                 ])  # fmt: skip
                 trl = json.loads(result.read_text())
                 rate = _steady_rate(trl["pairs"], trl["step_seconds"])
                 fill = sum(trl["tokens"]) / sum(trl["slots"])
-                runs[f"trl_{kind}"].append({"pairs_per_second": rate, "peak_rss_bytes": peak, "fill": fill})
+                runs[name].append(_dpo_measured(rate, peak, fill, trl["precompute_seconds"], count))
         median = _medians(runs)
+        compared = {
+            "finetune_full_ddp": "trl_full", "finetune_full_fsdp2": "trl_full", "finetune_lora_ddp": "trl_lora",
+            "finetune_full_ddp@best": "trl_full_precomputed",
+            "finetune_lora_ddp_precomputed": "trl_lora_precomputed",
+        }  # fmt: skip
+        ratios = {}
+        for name, peer in compared.items():
+            ours, theirs = median[name.removesuffix("@best")], median[peer]
+            ratios[name] = {key: ours[key] / theirs[key] for key in ("pairs_per_second", "epoch_pairs_per_second")}
+            ratios[name]["peak_rss"] = ours["peak_rss_bytes"] / theirs["peak_rss_bytes"]
         return {
             "size": size.name,
             "pairs": count,
             "runs": runs,
             "median": median,
-            "ratios": {
-                name: {
-                    "pairs_per_second": median[name]["pairs_per_second"] / median[peer]["pairs_per_second"],
-                    "peak_rss": median[name]["peak_rss_bytes"] / median[peer]["peak_rss_bytes"],
-                }
-                for name, peer in (
-                    ("finetune_full_ddp", "trl_full"),
-                    ("finetune_full_fsdp2", "trl_full"),
-                    ("finetune_lora_ddp", "trl_lora"),
-                )  # fmt: skip
-            },
+            "ratios": ratios,
+            "peers": compared,
             "targets": {"pairs_per_second": 1.5, "peak_rss": 0.7},
-            "precompute_fraction_of_epoch": statistics.median(precompute),
+            "precompute_fraction_of_epoch": median["finetune_full_ddp"]["precompute_fraction_of_epoch"],
             "trl_version": _version("trl"),
         }
 
@@ -781,6 +784,16 @@ def _metrics(path: Path) -> dict:
         "checkpoint_seconds": [e["checkpoint_seconds"] for e in entries if "checkpoint_seconds" in e],
         "memory": {k: v for k, v in memory.items() if k.startswith("memory/rank0/")},
     }
+
+
+def _dpo_measured(rate: float, peak: int, fill: float, precompute_seconds: float, pairs: int) -> dict:
+    """One DPO run's figures; the epoch rate counts its reference precompute pass (if any) in one epoch of `pairs`."""
+    epoch = pairs / rate
+    return {
+        "pairs_per_second": rate, "peak_rss_bytes": peak, "fill": fill, "precompute_seconds": precompute_seconds,
+        "epoch_pairs_per_second": pairs / (epoch + precompute_seconds),
+        "precompute_fraction_of_epoch": precompute_seconds / epoch,
+    }  # fmt: skip
 
 
 def _medians(runs: dict[str, list[dict]]) -> dict[str, dict]:
@@ -1016,13 +1029,17 @@ def _trl_lora_rows(trl: dict) -> list[str]:
 
 def _dpo_rows(dpo: dict) -> list[str]:
     rows = []
-    setups = {"finetune_full_ddp": "full, DDP both; reference precomputed vs a reference model",
-              "finetune_full_fsdp2": "full, FSDP2 vs DDP; reference precomputed vs a reference model",
-              "finetune_lora_ddp": "LoRA, DDP both; adapters off as the reference"}  # fmt: skip
-    targets = dpo["targets"]
+    setups = {
+        "finetune_full_ddp": "full, DDP both; TRL's defaults: a reference model every step",
+        "finetune_full_fsdp2": "full, FSDP2 vs DDP; TRL's defaults: a reference model every step",
+        "finetune_lora_ddp": "LoRA, DDP both; adapters off as the reference, both",
+        "finetune_full_ddp@best": "full, DDP both; TRL at its best: reference precomputed, both",
+        "finetune_lora_ddp_precomputed": "LoRA, DDP both; reference precomputed, both",
+    }  # fmt: skip
+    targets, median = dpo["targets"], dpo["median"]
     for name, setup in setups.items():
-        peer = "trl_lora" if "lora" in name else "trl_full"
-        ours, theirs, ratios = dpo["median"][name], dpo["median"][peer], dpo["ratios"][name]
+        peer = dpo["peers"][name]
+        ours, theirs, ratios = median[name.removesuffix("@best")], median[peer], dpo["ratios"][name]
         rows += [
             _row(
                 f"DPO pairs/s vs TRL DPOTrainer {dpo['trl_version']} ({dpo['size']}, {setup})",
@@ -1030,19 +1047,28 @@ def _dpo_rows(dpo: dict) -> list[str]:
                 f"{ratios['pairs_per_second']:.2f}x", f">= {targets['pairs_per_second']}x",
             ),
             _row(
-                f"DPO peak RSS of the largest process ({setup.split(';')[0]})",
+                f"DPO peak RSS of the largest process ({setup.split(';')[0]}; {setup.split('; ')[1]})",
                 f"{ours['peak_rss_bytes'] / MIB:.0f} MiB", f"{theirs['peak_rss_bytes'] / MIB:.0f} MiB",
                 f"{ratios['peak_rss']:.2f}x", f"<= {targets['peak_rss']}x",
             ),
         ]  # fmt: skip
-    ours, theirs = dpo["median"]["finetune_full_ddp"], dpo["median"]["trl_full"]
+        if ours["precompute_seconds"] or theirs["precompute_seconds"]:
+            rows.append(
+                _row(
+                    f"DPO pairs/s over one epoch of {dpo['pairs']} pairs, precompute passes counted ({setup})",
+                    f"{ours['epoch_pairs_per_second']:.2f}", f"{theirs['epoch_pairs_per_second']:.2f}",
+                    f"{ratios['epoch_pairs_per_second']:.2f}x",
+                )
+            )  # fmt: skip
+    ours, theirs = median["finetune_full_ddp"], median["trl_full"]
     rows.append(
         _row("DPO rows' fill, real tokens / token slots (finetune: packed; TRL: padded, full)",
              f"{ours['fill']:.2f}", f"{theirs['fill']:.2f}")
     )  # fmt: skip
     rows.append(
-        _row(f"DPO reference precompute, fraction of one epoch of {dpo['pairs']} pairs (DDP)",
-             f"{dpo['precompute_fraction_of_epoch']:.2f}", "(TRL: a reference forward every step)")
+        _row(f"DPO reference precompute, fraction of one epoch of {dpo['pairs']} pairs (DDP, full)",
+             f"{dpo['precompute_fraction_of_epoch']:.2f}",
+             f"{median['trl_full_precomputed']['precompute_fraction_of_epoch']:.2f} (precompute_ref_log_probs)")
     )  # fmt: skip
     return rows
 

@@ -1,13 +1,17 @@
 """The TRL peer for preference tuning: `DPOTrainer` (full fine-tuning, or with PEFT adapters), DDP, on the same pairs.
 
-    torchrun --nproc_per_node 2 bench/trl_dpo.py MODEL_DIR PAIRS.jsonl STEPS MICRO_BATCH MAX_LENGTH RANK OUT.json
+    torchrun --nproc_per_node 2 bench/trl_dpo.py MODEL_DIR PAIRS.jsonl STEPS MICRO_BATCH MAX_LENGTH RANK OUT.json \
+        PRECOMPUTE
 
-TRL with its defaults, as a user would run it: chosen and rejected of a batch padded into one forward (its DPO
-has no packed or padding-free path), the reference model loaded beside the policy and run every step (with
-adapters, the policy with its adapters switched off instead), the sigmoid loss with beta 0.1. RANK 0 trains
-every weight; RANK > 0 trains LoRA adapters of that rank on every linear layer, alpha 2 x RANK, no dropout, as
-the finetune side does. It writes the wall time of every optimizer step and the pairs it trained on, over all
-processes.
+TRL as a user would run it: chosen and rejected of a batch padded into one forward, the sigmoid loss with beta
+0.1. PRECOMPUTE 0 is its defaults: the reference model loaded beside the policy and run every step (with
+adapters, the policy with its adapters switched off instead). PRECOMPUTE 1 is its best settings for the same work:
+`precompute_ref_log_probs=True`, every pair's reference log-probabilities computed once before training (for full
+fine-tuning the reference model is then not kept). What TRL 1.16 cannot do: its `padding_free` is disabled for DPO
+("temporarily unavailable after a refactor") and falls back to padding, so there is no packed DPO to compare with.
+RANK 0 trains every weight; RANK > 0 trains LoRA adapters of that rank on every linear layer, alpha 2 x RANK, no
+dropout, as the finetune side does. It writes the wall time of every optimizer step, the pairs it trained on over
+all processes, and the seconds its precompute pass took (0 without it).
 """
 
 from __future__ import annotations
@@ -49,11 +53,35 @@ class StepClock(TrainerCallback):
         self.counts = torch.zeros(2, dtype=torch.int64)
 
 
-def main(model_dir: str, pairs_path: str, steps: int, micro_batch: int, max_length: int, rank: int, out: str) -> None:
+class PrecomputeClock:
+    """The seconds DPOTrainer spends in its reference precompute pass (it runs while the trainer is built)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        timed = DPOTrainer._precompute_ref_logps
+
+        def precompute(trainer, *args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return timed(trainer, *args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - began
+
+        DPOTrainer._precompute_ref_logps = precompute
+
+
+def main(
+    model_dir: str, pairs_path: str, steps: int, micro_batch: int, max_length: int, rank: int, out: str,
+    precompute: bool,
+) -> None:  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pairs = datasets.load_dataset("json", data_files=pairs_path, split="train")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    arguments = DPOConfig(**trainer_settings(out, micro_batch, steps, max_length), learning_rate=1e-5, beta=0.1)
+    arguments = DPOConfig(
+        **trainer_settings(out, micro_batch, steps, max_length), learning_rate=1e-5, beta=0.1,
+        precompute_ref_log_probs=precompute,
+    )  # fmt: skip
+    precomputing = PrecomputeClock()
     clock = StepClock()
     trainer = DPOTrainer(
         model=model, args=arguments, train_dataset=pairs, processing_class=tokenizer, peft_config=lora_settings(rank),
@@ -61,11 +89,14 @@ def main(model_dir: str, pairs_path: str, steps: int, micro_batch: int, max_leng
     )  # fmt: skip
     train_counted(trainer, clock.count)
     pairs = [micro_batch * dist.get_world_size()] * len(clock.step_seconds)
-    write_steps(out, clock.step_seconds, pairs=pairs, slots=clock.slots, tokens=clock.tokens)
+    write_steps(
+        out, clock.step_seconds, pairs=pairs, slots=clock.slots, tokens=clock.tokens,
+        precompute_seconds=precomputing.seconds,
+    )  # fmt: skip
     del trainer, model  # before the process group goes (close_ddp)
     close_ddp()
 
 
 if __name__ == "__main__":
-    model_dir, pairs_path, steps, micro_batch, max_length, rank, out = sys.argv[1:8]
-    main(model_dir, pairs_path, int(steps), int(micro_batch), int(max_length), int(rank), out)
+    model_dir, pairs_path, steps, micro_batch, max_length, rank, out, precompute = sys.argv[1:9]
+    main(model_dir, pairs_path, int(steps), int(micro_batch), int(max_length), int(rank), out, precompute == "1")

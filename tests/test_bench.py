@@ -66,8 +66,13 @@ def test_make_bench_runs_every_comparison(tmp_path):
     assert lora["checkpoint_bytes_ratio"] < 0.5 and positive(lora["step_time_ratio"])
     assert all(positive(v) for v in results["trl_lora"]["median"].values())
     dpo = results["dpo"]  # preference tuning against TRL's DPOTrainer, full and LoRA
-    assert all(positive(v) for run in dpo["median"].values() for v in run.values()) and len(dpo["median"]) == 5
-    assert positive(dpo["precompute_fraction_of_epoch"])
+    assert len(dpo["median"]) == 8 and positive(dpo["precompute_fraction_of_epoch"])
+    for name, run in dpo["median"].items():  # a precompute pass where a reference is precomputed, none elsewhere
+        timed = ("precompute_seconds", "precompute_fraction_of_epoch")
+        assert all(positive(v) for key, v in run.items() if key not in timed), name
+        precomputes = "precomputed" in name or name.startswith("finetune_full")
+        assert (run["precompute_seconds"] > 0) == precomputes, name
+    assert all(positive(v) for ratio in dpo["ratios"].values() for v in ratio.values())
     assert all(positive(v) for part in ("experts", "trl") for v in results["moe"][part]["median"].values())
     assert all(positive(v["peak_rss_bytes"]) for v in results["merge"]["median"].values())
 
