@@ -3,7 +3,7 @@
 A checkpoint is `<output.dir>/checkpoints/step_<N>/`: what `accelerator.save_state` writes (model
 and optimizer as torch.distributed.checkpoint shards or full state dicts, as the accelerate config's
 state-dict type says; RNG states), plus `trainer_state.json` (step, data position, LR scheduler
-state), the resolved recipe, `hf/` (config, generation config and tokenizer files, so that
+state), the resolved recipe, `hf/` (config and the base's other files, finetune.model_files, so that
 `finetune export` needs nothing but the checkpoint) and `tensor_names.json` (the model's state-dict
 names, tied ones grouped, so that the export needs no model code). It is written as
 `step_<N>.partial/` and renamed when complete, with the marker file written last, so a save that
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 from accelerate import Accelerator
 from accelerate.checkpointing import save_accelerator_state
 from safetensors import SafetensorError, safe_open
@@ -130,6 +131,11 @@ def find_checkpoint(path: Path) -> Path:
         raise FinetuneError(f"{path} holds no complete checkpoint; train with checkpoint.save_every_steps > 0")
     if not path.exists():
         raise FinetuneError(f"checkpoint {path} does not exist; pass a step_<N> folder or a run's output dir")
+    if (path / "recipe.yaml").is_file():  # a run's output dir
+        raise FinetuneError(
+            f"{path} is the output dir of a run that saved no checkpoint (it stopped before its first save, or "
+            "saved none); nothing to export: train with checkpoint.save_every_steps > 0 or output.export=true"
+        )
     raise FinetuneError(
         f"{path} is not a complete checkpoint (no {MARKER} marker: its save did not finish, or it is not a "
         "checkpoint); pass an earlier complete step_<N> folder or the run's output dir"
@@ -408,6 +414,36 @@ def load_checkpoint(path: Path, recipe: RecipeConfig, load_state: Callable[[Path
             f"cannot restore checkpoint {path} ({first_line(exc)}); resume an earlier step_<N> folder"
         ) from None
     return state
+
+
+def recipe_changes(checkpoint: Path, recipe: RecipeConfig) -> list[str]:
+    """The settings a resume changes, as "key: then -> now", from the recipe the checkpoint saved: a resume
+    trains on with the recipe it is given (a new learning rate, loss or beta takes effect from here), and the
+    log says so rather than leaving it to be noticed in the curves."""
+    saved = checkpoint / "recipe.yaml"
+    if not saved.is_file():
+        return []
+    # Both as save_recipe writes them, so that a tuple and the list YAML reads it back as compare equal.
+    now = yaml.safe_load(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    then, now = _flat(yaml.safe_load(saved.read_text()) or {}), _flat(now)
+    return [
+        f"{key}: {then.get(key)} -> {now.get(key)}"
+        for key in sorted(then.keys() | now.keys())
+        if then.get(key) != now.get(key) and key not in _EXPECTED_TO_CHANGE
+    ]
+
+
+_EXPECTED_TO_CHANGE = {"checkpoint.resume", "output.dir"}  # asked to resume; a copied or moved run
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _write_synced(path: Path, text: str) -> None:

@@ -541,6 +541,17 @@ class RecipeConfig:
                 "data.packing_window applies to supervised fine-tuning; a preference run packs each micro-batch's "
                 "pairs together (first fit), so remove it"
             )
+        if self.preference is not None and not self.data.completion_only_loss:
+            errors.append(
+                "data.completion_only_loss=false trains prompts too, which a preference run cannot: its loss compares "
+                "the log-probabilities of the two replies to one prompt; remove it (SFT on the prompts is a separate "
+                "supervised run)"
+            )
+        if self.preference is not None and self.data.multi_turn != "full":
+            errors.append(
+                f"data.multi_turn={self.data.multi_turn} applies to supervised chat data; a preference run compares "
+                "each side's completion (every reply after the prompt both sides share), so remove it"
+            )
         return errors
 
     def to_dict(self) -> dict[str, Any]:

@@ -211,7 +211,13 @@ def _fsdp_plugin(on_cpu: bool, param_dtype: torch.dtype) -> FullyShardedDataPara
     an accelerator, and torch's FSDP1 refuses to sync CPU tensors anyway. On CPU we build the plugin
     with it off and broadcast rank 0's weights ourselves (`broadcast_module_states`).
     """
-    fsdp_version = int(os.environ.get("FSDP_VERSION", "1"))
+    version = os.environ.get("FSDP_VERSION", "1")
+    if version not in ("1", "2"):  # accelerate would read the config as FSDP1's and fail on an FSDP2 setting
+        raise FinetuneError(
+            f"the accelerate config says fsdp_version: {version}; accelerate has FSDP 1 and 2: set fsdp_version: 2 "
+            "(or start from accelerate_configs/fsdp2_full_shard.yaml)"
+        )
+    fsdp_version = int(version)
     if fsdp_version == 1:
         _check_fsdp1_launch(on_cpu)
     options: dict[str, Any] = {}

@@ -77,6 +77,11 @@ def export_checkpoint(
     holds a half-written model, and an earlier model there is replaced only by a complete one.
     """
     checkpoint = find_checkpoint(checkpoint)
+    if not (checkpoint / MODEL_FILES / "config.json").is_file():
+        raise FinetuneError(
+            f"checkpoint {checkpoint} has no {MODEL_FILES}/config.json (the model's config and tokenizer files, saved "
+            f"with every checkpoint): it was copied without its {MODEL_FILES}/ folder; copy the whole step folder"
+        )
     _check_out_dir(out_dir, overwrite, checkpoint)
     if merge:
         _check_not_the_base(out_dir, checkpoint)

@@ -42,6 +42,7 @@ from finetune.checkpoint import (
     checkpoints_root,
     finish_checkpoint,
     load_checkpoint,
+    recipe_changes,
     resolve_resume,
     save_checkpoint,
     step_of,
@@ -76,14 +77,15 @@ from finetune.model import (
     check_packing,
     check_quantized_base,
     check_tied_weights,
+    check_vocabulary,
     checkpoint_dropout_exactly,
     disable_dropout,
     load_model,
     load_model_config,
     load_tokenizer,
     model_folder,
-    save_model_files,
 )
+from finetune.model_files import save_model_files
 from finetune.objectives import Balanced, Objective, Preference, Supervised
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.outputs import check_output_dir, claim_output_dir
@@ -217,6 +219,7 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
     policy, policy_line = checkpointing_policy(recipe, accelerator)
 
     tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
+    check_vocabulary(recipe.model, tokenizer, recipe.preference.reference_model if recipe.preference else None)
     # Under rank-0 loading (cpu_ram_efficient_loading) only rank 0 reads the weights; the others
     # start on the meta device and receive them from rank 0 while the model is sharded.
     started_on_meta = rank_zero_loading() and not accelerator.is_main_process
@@ -278,7 +281,9 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
             f"{recipe.train.num_epochs}), so nothing would be recorded; profile steps within 1..{max_steps}"
         )
     scheduler = build_scheduler(optimizer.optimizer, recipe.optim, max_steps)
-    write_model_files = functools.partial(save_model_files, accelerator.unwrap_model(model), tokenizer, adapters)
+    write_model_files = functools.partial(
+        save_model_files, accelerator.unwrap_model(model), tokenizer, adapters, model_folder(recipe.model.name_or_path)
+    )
     if adapters is not None:
         save_state = functools.partial(peft_adapters.save_adapter_state, accelerator, model, optimizer)
         load_state = functools.partial(peft_adapters.load_adapter_state, accelerator, model, optimizer)
@@ -752,7 +757,9 @@ def _log_setup(
     if accelerator.distributed_type == DistributedType.FSDP:
         lines.append(format_wrap_plan(fsdp_units(model)))
     if resume_from is not None:
-        lines.append(f"resumed from {resume_from}")
+        changes = recipe_changes(resume_from, recipe)
+        changed = f", with settings changed since it was saved: {'; '.join(changes)}" if changes else ""
+        lines.append(f"resumed from {resume_from}{changed}")
     for line in lines:
         accelerator.print(line)
 

@@ -87,6 +87,14 @@ def check_attention(cfg: ModelConfig) -> None:
     varlen path knows none of sliding windows, soft-capping or attention dropout)."""
     import importlib.util
 
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    known = ["eager", *ALL_ATTENTION_FUNCTIONS.keys(), varlen.NAME]
+    if cfg.attn_implementation not in known and "/" not in cfg.attn_implementation:  # "/": a kernel on the hub
+        raise FinetuneError(
+            f"model.attn_implementation={cfg.attn_implementation} is no attention implementation transformers or "
+            f"finetune knows; set one of: {', '.join(dict.fromkeys(known))}"
+        )
     if cfg.attn_implementation in _KERNEL_PACKAGES:
         module, package = _KERNEL_PACKAGES[cfg.attn_implementation]
         if importlib.util.find_spec(module) is None:
@@ -261,6 +269,43 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None) -> PreTra
     return tokenizer
 
 
+def check_vocabulary(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, reference: str | None = None) -> None:
+    """Before any weights load: every token the tokenizer can produce has an embedding row (else an IndexError deep
+    in the forward, on a GPU a device-side assert), and a preference `reference` model scores the same vocabulary
+    with the same tokenizer as the policy (a smaller one fails in the loss, a larger one normalizes over other
+    tokens and trains silently wrong)."""
+    rows = load_model_config(cfg).get_text_config().vocab_size
+    if rows is not None and len(tokenizer) > rows:
+        raise FinetuneError(
+            f"the tokenizer of {cfg.name_or_path!r} has {len(tokenizer):,} tokens, more than the {rows:,} rows of "
+            f"the model's embedding (vocab_size in its config.json): token ids from {rows:,} on cannot be embedded; "
+            "use the tokenizer saved with this model, or resize the embedding to the tokenizer and save the model"
+        )
+    if reference is None:
+        return
+    theirs = load_model_config(ModelConfig(name_or_path=reference, trust_remote_code=cfg.trust_remote_code))
+    reference_rows = theirs.get_text_config().vocab_size
+    if reference_rows != rows:
+        raise FinetuneError(
+            f"preference.reference_model {reference!r} has {reference_rows:,} embedding rows and the policy "
+            f"{cfg.name_or_path!r} {rows:,}: both must score the same token ids over the same vocabulary; use a "
+            "reference of the policy's own vocabulary (usually the model the policy was fine-tuned from)"
+        )
+    folder = model_folder(reference)
+    if folder is None or not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        return  # a reference saved without a tokenizer: its vocabulary size is all there is to compare
+    their_tokens = AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code).get_vocab()
+    ours = tokenizer.get_vocab()
+    if their_tokens != ours:
+        token, token_id = sorted(set(ours.items()) ^ set(their_tokens.items()), key=lambda item: (item[1], item[0]))[0]
+        raise FinetuneError(
+            f"the tokenizer of preference.reference_model {reference!r} differs from the policy's "
+            f"({len(their_tokens):,} and {len(ours):,} tokens; first difference: {token!r} = id {token_id:,} in one "
+            "only): the reference would score other tokens than the ones trained; use a reference with the policy's "
+            "tokenizer"
+        )
+
+
 def load_model_config(cfg: ModelConfig) -> PretrainedConfig:
     """The architecture a recipe trains: from its shipped `config_file`, else from `name_or_path`."""
     source = cfg.config_file or cfg.name_or_path
@@ -404,18 +449,3 @@ def check_tied_weights(model: PreTrainedModel) -> None:
             "different parameters; use an FSDP2 config (accelerate_configs/fsdp2_full_shard.yaml), which keeps "
             "them tied"
         )
-
-
-def save_model_files(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, adapters: dict[str, Any] | None, folder: Path
-) -> None:
-    """Everything of a Hugging Face model folder but the weights: config, generation config, tokenizer;
-    for an adapter run (`adapters`: its `adapter_record`) also the adapter config and record."""
-    model.config.save_pretrained(folder)
-    if model.can_generate() and model.generation_config is not None:
-        model.generation_config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    if adapters is not None:
-        from finetune.adapters import write_adapter_files
-
-        write_adapter_files(model, adapters, folder)

@@ -302,9 +302,12 @@ def test_a_chat_template_that_is_missing_or_not_jinja_is_refused(tmp_path):
     def check(value: str) -> None:
         check_sources(DataConfig(train_path="org/data", max_length=8, chat_template=value))
 
-    for missing in (tmp_path / "missing.jinja", tmp_path / "templates" / "chatml"):  # with a suffix or not
-        with pytest.raises(FinetuneError, match="data.chat_template .* is neither a file nor a Jinja template"):
+    for missing in (tmp_path / "missing.jinja", tmp_path / "templates" / "chatml", "missing.jinja"):  # a path
+        with pytest.raises(FinetuneError, match=f"data.chat_template {missing} does not exist; point it at a templ"):
             check(str(missing))
+    (tmp_path / "empty.jinja").write_text("\n")
+    with pytest.raises(FinetuneError, match="data.chat_template file .*empty.jinja is empty; write the template"):
+        check(str(tmp_path / "empty.jinja"))
     with pytest.raises(FinetuneError, match="data.chat_template is not a valid Jinja template"):
         check("{% for m in messages %}")
     with pytest.raises(FinetuneError, match="cannot render a conversation .*it writes no user or assistant message"):

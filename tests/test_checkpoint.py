@@ -14,8 +14,8 @@ import pytest
 from conftest import CHECKPOINT_SETTINGS, CONFIGS, DEMO_RECIPE, REPO, Run, launch, recipe_overrides, signal_launch
 from safetensors.torch import load_file
 
-from finetune.checkpoint import MARKER, TrainerState, load_checkpoint, resolve_resume
-from finetune.config import load_recipe
+from finetune.checkpoint import MARKER, TrainerState, load_checkpoint, recipe_changes, resolve_resume
+from finetune.config import load_recipe, save_recipe
 from finetune.errors import FinetuneError
 
 pytestmark = pytest.mark.multiprocess
@@ -71,6 +71,7 @@ def test_exact_resume_skips_incomplete_checkpoints(uninterrupted, demo_assets, t
     resumed = run_with(demo_assets, resume_from_step_6(uninterrupted, tmp_path), **{"checkpoint.resume": "auto"})
     assert "ignoring incomplete checkpoint" in resumed.log and "step_7" in resumed.log
     assert "resumed from" in resumed.log and "step_6" in resumed.log
+    assert "settings changed" not in resumed.log  # the same recipe, copied to another output dir
     full, again = losses_by_step(uninterrupted), losses_by_step(resumed)
     assert sorted(again) == [7, 8]
     for step in (7, 8):
@@ -199,7 +200,8 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(demo_assets, tmp_pa
     assert resolve_resume("auto", output_dir) == latest
     step = int(latest.name.removeprefix("step_"))
     resumed = run_with(demo_assets, output_dir, **{"checkpoint.resume": "auto", "train.max_steps": step + 2})
-    assert f"resumed from {latest}" in resumed.log
+    assert f"resumed from {latest}, with settings changed since it was saved: " in resumed.log
+    assert f"train.max_steps: 2000 -> {step + 2}" in resumed.log
     assert not list(root.glob("*.partial")) and (output_dir / "final" / "model.safetensors").exists()
 
 
@@ -236,3 +238,16 @@ def test_resume_errors_name_the_fix(tmp_path, uninterrupted):
     other_model = load_recipe(DEMO_RECIPE, ["model.name_or_path=another/model"])
     with pytest.raises(FinetuneError, match="was trained from .* but the recipe names 'another/model'"):
         load_checkpoint(uninterrupted.output_dir / "checkpoints" / "step_6", other_model, load_state=None)
+
+
+def test_a_resume_names_every_setting_it_changes(tmp_path):
+    """A resume trains on with the recipe it is given; the log says what differs from the checkpoint's recipe
+    (a preference loss or beta changed mid-run included), and nothing when only the output dir moved."""
+    pairs = ["data.format=auto", "preference.loss=dpo", "preference.beta=0.1"]
+    save_recipe(load_recipe(DEMO_RECIPE, pairs), tmp_path / "recipe.yaml")
+    now = ["preference.loss=ipo", "preference.beta=0.5", "optim.lr=1e-4", f"output.dir={tmp_path}"]
+    changed = load_recipe(DEMO_RECIPE, ["data.format=auto", *now, "checkpoint.resume=auto"])
+    assert recipe_changes(tmp_path, changed) == [
+        "optim.lr: 0.003 -> 0.0001", "preference.beta: 0.1 -> 0.5", "preference.loss: dpo -> ipo",
+    ]  # fmt: skip
+    assert recipe_changes(tmp_path, load_recipe(DEMO_RECIPE, [*pairs, f"output.dir={tmp_path}"])) == []

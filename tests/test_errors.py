@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import DEMO_RECIPE, REPO, launch, recipe_overrides
@@ -180,6 +181,13 @@ def test_export_bad_input_names_the_fix_and_writes_nothing(fsdp2_run, tmp_path):
     (tmp_path / "step_3").mkdir()
     assert_user_error(run_cli("export", str(tmp_path / "step_3"), str(out)), "is not a complete checkpoint")
     assert_user_error(run_cli("export", str(tmp_path), str(out)), "is not a complete checkpoint")
+    unsaved = tmp_path / "unsaved_run"  # a run's output dir without a checkpoint
+    unsaved.mkdir()
+    shutil.copy(fsdp2_run.output_dir / "recipe.yaml", unsaved)
+    assert_user_error(run_cli("export", str(unsaved), str(out)), "is the output dir of a run that saved no checkpoint")
+    without_files = tmp_path / "step_16"  # a checkpoint copied without its hf/ folder
+    shutil.copytree(checkpoint, without_files, ignore=lambda folder, names: ["hf"] if "hf" in names else [])
+    assert_user_error(run_cli("export", str(without_files), str(out)), "has no hf/config.json")
     result = run_cli("export", str(checkpoint), str(out), "--max-shard-size", "5XB")
     assert_user_error(result, "max shard size '5XB' is not a size; write it like 5GB")
     result = run_cli("export", str(checkpoint), str(out), "--dtype", "bf61")
@@ -224,3 +232,73 @@ def test_a_gated_model_without_a_login_is_one_line_naming_the_fix(monkeypatch):
     message = str(info.value)
     assert "\n" not in message and "huggingface-cli login" in message
     assert "https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct" in message and "gated" in message
+
+
+def _copy_of_base(demo_assets, folder: Path) -> Path:
+    shutil.copytree(demo_assets / "base", folder)
+    return folder
+
+
+def test_vocabulary_mismatches_are_one_line_before_any_weight_loads(tmp_path, demo_assets):
+    """A tokenizer past the embedding, and a reference model of another vocabulary or tokenizer than the
+    policy's, are refused naming both sizes (or the first token that differs), not met in the forward."""
+    from transformers import AutoTokenizer
+
+    grown = _copy_of_base(demo_assets, tmp_path / "grown")
+    tokenizer = AutoTokenizer.from_pretrained(grown)
+    tokenizer.add_tokens(["<|extra|>"])
+    tokenizer.save_pretrained(grown)
+    overrides = recipe_overrides(demo_assets, tmp_path / "out", **{"model.name_or_path": grown})
+    assert_user_error(run_cli("train", str(DEMO_RECIPE), *overrides), "has 279 tokens, more than the 278 rows")
+
+    wider = _copy_of_base(demo_assets, tmp_path / "wider")
+    config = json.loads((wider / "config.json").read_text())
+    (wider / "config.json").write_text(json.dumps({**config, "vocab_size": 320}))
+    renumbered = _copy_of_base(demo_assets, tmp_path / "renumbered")
+    vocabulary = json.loads((renumbered / "tokenizer.json").read_text())
+    tokens = vocabulary["model"]["vocab"]
+    tokens["1"], tokens["2"] = tokens["2"], tokens["1"]
+    (renumbered / "tokenizer.json").write_text(json.dumps(vocabulary))
+    pairs = {
+        "data.train_path": demo_assets / "data" / "pairs_train.jsonl", "data.eval_path": "null",
+        "data.format": "auto", "preference.loss": "dpo", "preference.reference": "model",
+    }  # fmt: skip
+    for reference, message in (
+        (wider, "has 320 embedding rows and the policy"),
+        (renumbered, "differs from the policy's (278 and 278 tokens; first difference: '"),
+    ):
+        settings = {**pairs, "preference.reference_model": reference}
+        overrides = recipe_overrides(demo_assets, tmp_path / "out", **settings)
+        assert_user_error(run_cli("train", str(DEMO_RECIPE), *overrides), message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_last_messages_of_the_second_pass_name_the_key_the_user_set(tmp_path, demo_assets):
+    """Each error names the setting that causes it: a mixture source by its place in data.train, the share
+    data.eval_fraction held out, a fraction that rounds a source to nothing, an unknown attention kernel."""
+    few = tmp_path / "three.jsonl"
+    few.write_text("".join((demo_assets / "data" / "train.jsonl").read_text().splitlines(keepends=True)[:3]))
+    train = demo_assets / "data" / "train.jsonl"
+    for settings, message in (
+        ({"data.train": f"[{{path: {train}}}, {{path: {tmp_path / 'nope.jsonl'}}}]"},
+         "data.train[1].path"),
+        ({"data.train": f"[{{path: {train}}}, {{path: {few}, split: validation}}]"},
+         "data.train[1].split='validation' has no effect on local data"),
+        ({"data.train": f"[{{path: {train}}}, {{path: {few}, fraction: 0.1}}]"},
+         "fraction=0.1 of its 3 samples rounds to none"),
+        ({"data.eval_path": "null", "data.eval_fraction": 0.999}, "data.eval_fraction=0.999 held out that share"),
+        ({"model.attn_implementation": "flashy"}, "model.attn_implementation=flashy is no attention implementation"),
+    ):  # fmt: skip
+        train_key = {"data.train_path": "null"} if "data.train" in settings else {}
+        overrides = recipe_overrides(demo_assets, tmp_path / "out", **train_key, **settings)
+        assert_user_error(run_cli("train", str(DEMO_RECIPE), *overrides), message)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.multiprocess
+def test_an_fsdp_version_accelerate_lacks_is_one_line(tmp_path, demo_assets):
+    config = tmp_path / "fsdp3.yaml"
+    config.write_text((REPO / "accelerate_configs" / "fsdp2_full_shard.yaml").read_text().replace(
+        "fsdp_version: 2", "fsdp_version: 3"))  # fmt: skip
+    result = launch(str(config), recipe_overrides(demo_assets, tmp_path / "out"), num_processes=1)
+    assert_user_error(result, "the accelerate config says fsdp_version: 3; accelerate has FSDP 1 and 2")

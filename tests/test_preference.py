@@ -86,6 +86,90 @@ def test_long_prompts_are_cut_from_the_left_and_pairs_that_cannot_fit_are_droppe
         pairs_of([too_long, same], tokenizer, max_length=24)
 
 
+def trained_text(row: dict, side: str, tokenizer) -> str:
+    return tokenizer.decode([t for t in row[f"{side}_targets"] if t != IGNORE])
+
+
+def test_a_text_prompt_beside_replies_alone_is_the_users_turn(tokenizer):
+    """TRL's layouts all train one pair alike: the prompt as messages, as text beside the replies alone, as text
+    beside whole conversations (ultrafeedback_binarized), and as messages the conversations repeat."""
+    prompt, chosen, rejected = (
+        [turn("user", "reverse: 1 2 3")],
+        [turn("assistant", "3 2 1")],
+        [turn("assistant", "1 2 3")],
+    )
+    layouts = [
+        {"prompt": prompt, "chosen": chosen, "rejected": rejected},
+        {"prompt": "reverse: 1 2 3", "chosen": chosen, "rejected": rejected},
+        {"prompt": "reverse: 1 2 3", "chosen": prompt + chosen, "rejected": prompt + rejected},
+        {"prompt": prompt, "chosen": prompt + chosen, "rejected": prompt + rejected},
+        {"chosen": prompt + chosen, "rejected": prompt + rejected},
+    ]
+    rows = [pairs_of([layout], tokenizer)[0].to_list() for layout in layouts]
+    assert all(row == rows[0] for row in rows)
+    assert tokenizer.decode(rows[0][0]["chosen_ids"]).startswith("<|bos|><|user|>reverse: 1 2 3<|end|><|assistant|>")
+    other = {"prompt": "reverse: 9 9", "chosen": prompt + chosen, "rejected": prompt + rejected}
+    with pytest.raises(FinetuneError, match="sample 0: prompt is text, but chosen and rejected are conversations"):
+        pairs_of([other], tokenizer)
+
+
+def test_multi_turn_completions_compare_every_reply_after_the_shared_prompt(tokenizer):
+    """TRL's conversational pairs whose completions run several turns: what follows the shared prompt is compared,
+    its assistant replies exactly (the user turns between them are context, as in supervised chat data)."""
+    prompt = [turn("user", "reverse: 1 2")]
+    chosen = [turn("assistant", "2 1"), turn("user", "again: 3 4"), turn("assistant", "4 3")]
+    rejected = [turn("assistant", "1 2"), turn("user", "now: 5 6"), turn("assistant", "5 6")]
+    [row] = pairs_of([{"prompt": prompt, "chosen": chosen, "rejected": rejected}], tokenizer)[0].to_list()
+    assert trained_text(row, "chosen", tokenizer) == "2 1<|end|>4 3<|end|>"
+    assert trained_text(row, "rejected", tokenizer) == "1 2<|end|>5 6<|end|>"
+    history = [*prompt, turn("assistant", "2 1"), turn("user", "again: 3 4")]
+    [last] = pairs_of([{"prompt": history, "chosen": chosen[2:], "rejected": rejected[2:]}], tokenizer)[0].to_list()
+    assert trained_text(last, "chosen", tokenizer) == "4 3<|end|>"  # a reply in the prompt is context only
+    [same] = pairs_of([{"chosen": prompt + chosen, "rejected": prompt + rejected}], tokenizer)[0].to_list()
+    assert same == row
+
+
+def test_reasoning_is_compared_unless_data_keeps_it_as_context(tokenizer):
+    sample = {
+        "prompt": [turn("user", "reverse: 1 2")],
+        "chosen": [turn("assistant", "<think>flip it</think>2 1")],
+        "rejected": [turn("assistant", "<think>keep it</think>1 2")],
+    }
+    cfg = DataConfig(train_path="x", max_length=64, train_on_reasoning=False)
+    pairs, stats = prepare_pairs([(None, datasets.Dataset.from_list([sample]))], tokenizer, cfg, [None])
+    [row] = pairs.to_list()
+    assert "flip it" in tokenizer.decode(row["chosen_ids"]) and "flip" not in trained_text(row, "chosen", tokenizer)
+    assert trained_text(row, "rejected", tokenizer).endswith("1 2<|end|>")
+    assert stats.num_reasoning_tokens > 0 and "(context only, not compared)" in stats.describe("train")
+    [compared] = pairs_of([sample], tokenizer)[0].to_list()
+    assert "flip it" in trained_text(compared, "chosen", tokenizer)
+
+
+def test_truncation_drop_drops_pairs_whose_prompt_would_be_cut(tokenizer):
+    prompt = [turn("user", " ".join(["7"] * 40))]
+    long = {"prompt": prompt, "chosen": [turn("assistant", "1")], "rejected": [turn("assistant", "2")]}
+    short = {"prompt": [turn("user", "7")], "chosen": long["chosen"], "rejected": long["rejected"]}
+    cfg = DataConfig(train_path="x", max_length=24, truncation="drop")
+    pairs, stats = prepare_pairs([(None, datasets.Dataset.from_list([long, short]))], tokenizer, cfg, [None])
+    assert (stats.num_pairs, stats.num_truncated, stats.num_too_long) == (1, 0, 1)
+    assert len(pairs) == 1 and "7 7" not in tokenizer.decode(pairs[0]["chosen_ids"])
+
+
+def test_invalid_drop_leaves_out_a_bad_pair_and_stops_past_one_percent(tokenizer):
+    good = {"prompt": [turn("user", "reverse: 1 2")], "chosen": [turn("assistant", "2 1")],
+            "rejected": [turn("assistant", "1 2")]}  # fmt: skip
+    bad = {**good, "rejected": [turn("user", "not a reply")]}
+    cfg = DataConfig(train_path="x", max_length=64, invalid="drop")
+    data = datasets.Dataset.from_list([good] * 150 + [bad] + [good] * 49)
+    pairs, stats = prepare_pairs([(None, data)], tokenizer, cfg, [None])
+    assert (len(pairs), stats.num_pairs, stats.num_invalid, stats.num_too_long) == (199, 199, 1, 0)
+    assert "1 invalid dropped (first: sample 150: rejected must end with the assistant reply" in stats.describe("x")
+    with pytest.raises(FinetuneError, match="3 of its 200 samples are invalid"):
+        prepare_pairs([(None, datasets.Dataset.from_list([good] * 197 + [bad] * 3))], tokenizer, cfg, [None])
+    with pytest.raises(FinetuneError, match="sample 150: rejected must end with the assistant reply"):
+        pairs_of([good] * 150 + [bad], tokenizer)  # data.invalid=refuse, the default
+
+
 @pytest.mark.parametrize(
     ("sample", "message"),
     [
@@ -506,6 +590,11 @@ def test_impossible_preference_settings_are_refused_before_loading():
         (["preference.loss=ipo", "preference.label_smoothing=0.1"], "label_smoothing applies to dpo and simpo"),
         (["preference.simpo_gamma=1"], "simpo_gamma applies to loss: simpo"),
         (["preference.loss=dpo", "data.format=chat"], "a preference section trains on pairs, not data.format=chat"),
+        (["preference.loss=dpo", "data.completion_only_loss=false"], "completion_only_loss=false trains prompts too"),
+        (
+            ["preference.loss=dpo", "data.multi_turn=per_turn"],
+            "data.multi_turn=per_turn applies to supervised chat data",
+        ),
     ):
         with pytest.raises(ConfigError, match=message):
             load_recipe(DEMO_RECIPE, ["data.format=auto", *overrides])

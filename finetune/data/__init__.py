@@ -31,7 +31,7 @@ from finetune.data.chat import encode_chats
 from finetune.data.pack import WINDOW, collate_packed, collate_padded, pack
 from finetune.data.preference import PairStats, collate_pairs, prepare_pairs
 from finetune.data.sources import check_sources, hold_out, load_source, load_split, numbered, take_fraction
-from finetune.data.tokenize import IGNORE, detect_format, tokenize
+from finetune.data.tokenize import IGNORE, check_invalid_share, detect_format, tokenize
 from finetune.distributed import main_process_first
 from finetune.errors import FinetuneError
 
@@ -106,7 +106,7 @@ def prepare_split(
         (source, tokenize(dataset, tokenizer, cfg, _where(source, cfg, evaluation))) for source, dataset in parts
     ]
     for source, part in tokenized if cfg.invalid == "drop" else ():
-        _check_invalid_share(part, _where(source, cfg, evaluation) or "the data")
+        check_invalid_share(part, _where(source, cfg, evaluation) or "the data")
     every = tokenized[0][1] if len(tokenized) == 1 else datasets.concatenate_datasets([t for _, t in tokenized])
     with no_datasets_bars():
         kept = every.filter(lambda counts: [n > 0 for n in counts], input_columns="num_targets", batched=True)
@@ -127,19 +127,6 @@ def prepare_split(
     row_length = cfg.max_length if cfg.packing else 0
     stats = dataclasses.replace(_stats(every, cfg), num_rows=len(rows), sources=per_source, row_length=row_length)
     return rows, stats
-
-
-MAX_INVALID_SHARE = 0.01
-"""data.invalid=drop stops a run when more than this share of one source is malformed."""
-
-
-def _check_invalid_share(tokenized: datasets.Dataset, where: str) -> None:
-    reasons = [reason for reason in tokenized["invalid"] if reason]
-    if len(reasons) > MAX_INVALID_SHARE * len(tokenized):
-        raise FinetuneError(
-            f"{where}: {len(reasons):,} of its {len(tokenized):,} samples are invalid, more than data.invalid=drop "
-            f"leaves out ({MAX_INVALID_SHARE:.0%}): the data or its columns mapping is wrong? First: {reasons[0]}"
-        )
 
 
 def eval_subset(
@@ -258,9 +245,14 @@ def build_data(
     (train_rows, train_stats), (eval_rows, eval_stats) = main_process_first(accelerator, load_and_prepare)
     needed = micro_batch_size * accelerator.num_processes
     if len(train_rows) < needed:
+        held_out = ""
+        if not cfg.eval_path and cfg.eval_fraction > 0:
+            held_out = (
+                f" (after data.eval_fraction={cfg.eval_fraction:g} held out that share for evaluation: lower it)"
+            )
         raise FinetuneError(
             f"the training data yields {len(train_rows)} rows but one step needs micro_batch_size x processes = "
-            f"{needed}; add data or lower train.micro_batch_size"
+            f"{needed}{held_out}; add data or lower train.micro_batch_size"
         )
     if preference:
         collate = functools.partial(

@@ -571,6 +571,10 @@ def read_chat_template(value: str, named: dict[str, str] | None = None) -> str:
         return named[value]
     if not _looks_like_jinja(value):
         path = Path(value).expanduser()
+        if not path.is_file() and _looks_like_path(value):
+            raise FinetuneError(
+                f"data.chat_template {value} does not exist; point it at a template file, or write the template itself"
+            )
         if not path.is_file():
             names = f" nor one of the tokenizer's named templates ({', '.join(sorted(named))})" if named else ""
             raise FinetuneError(
@@ -578,6 +582,10 @@ def read_chat_template(value: str, named: dict[str, str] | None = None) -> str:
                 "file (e.g. templates/chatml.jinja) or write the template itself"
             )
         value = path.read_text()
+        if not value.strip():
+            raise FinetuneError(
+                f"data.chat_template file {path} is empty; write the template into it, or point at another file"
+            )
     _check_renders(value)
     return value
 
@@ -585,7 +593,13 @@ def read_chat_template(value: str, named: dict[str, str] | None = None) -> str:
 def names_a_template(value: str) -> bool:
     """A `data.chat_template` value that can only be checked against the tokenizer: a bare name, which may be
     one of its named templates (`tool_use`), and is otherwise refused when the tokenizer loads."""
-    return not _looks_like_jinja(value) and not Path(value).expanduser().exists() and re.fullmatch(r"[\w.-]+", value)
+    return not _looks_like_jinja(value) and not _looks_like_path(value) and not Path(value).expanduser().exists()
+
+
+def _looks_like_path(value: str) -> bool:
+    """A `data.chat_template` value that names a file (a folder in it, or a template file's suffix): one that does
+    not exist is missing, not a template's name."""
+    return not re.fullmatch(r"[\w.-]+", value) or Path(value).suffix in (".jinja", ".j2", ".jinja2", ".txt")
 
 
 def _looks_like_jinja(value: str) -> bool:
@@ -728,6 +742,13 @@ _SHAREGPT_ROLES = {
     # A call written as the turn's text (glaive): the reply, trained as text with its call.
     "function_call": "assistant",
 }  # fmt: skip
+
+
+def message_role(message: Any) -> str | None:
+    """A message's chat role, ShareGPT's speakers read as the roles they stand for; None for a non-message."""
+    if not isinstance(message, dict):
+        return None
+    return message.get("role") or _SHAREGPT_ROLES.get(message.get("from"))
 
 
 def _from_sharegpt(message: Any) -> Any:

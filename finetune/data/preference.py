@@ -26,10 +26,10 @@ from transformers import PreTrainedTokenizerBase
 
 from finetune.chatter import no_datasets_bars
 from finetune.config import DataConfig
-from finetune.data.chat import describe, encode_rendered, render_chats
+from finetune.data.chat import describe, encode_rendered, message_role, render_chats
 from finetune.data.pack import with_host_indices
 from finetune.data.sources import SAMPLE_INDEX
-from finetune.data.tokenize import IGNORE, encode_prompt_completions, map_processes
+from finetune.data.tokenize import IGNORE, check_invalid_share, encode_prompt_completions, map_processes
 from finetune.errors import FinetuneError
 
 PAIR_COLUMNS = ("chosen", "rejected")
@@ -38,9 +38,11 @@ PAIRS = datasets.Features({
     "rejected_ids": datasets.List(datasets.Value("int32")),
     "rejected_targets": datasets.List(datasets.Value("int32")),
     "truncated": datasets.Value("bool"), "kept": datasets.Value("bool"), "same": datasets.Value("bool"),
+    "reasoning": datasets.Value("int32"), "invalid": datasets.Value("string"),
 })  # fmt: skip
 """A tokenized pair: each side's ids and targets (the next token where loss is taken, else IGNORE); `truncated`
-(its prompt was cut), `kept` (both sides fit), `same` (chosen equals rejected: dropped)."""
+(its prompt was cut), `kept` (both sides fit, and the pair is valid), `same` (chosen equals rejected: dropped),
+`reasoning` (tokens of reasoning in both replies), `invalid` (data.invalid=drop: why it was refused, else "")."""
 
 
 def tokenize_pairs(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> datasets.Dataset:
@@ -52,7 +54,7 @@ def tokenize_pairs(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase
             f"preference data needs chosen and rejected columns (and prompt, unless chosen and rejected are whole "
             f"conversations); the dataset has {columns}: rename them with a columns mapping"
         )
-    encode = functools.partial(_encode_pairs, tokenizer=tokenizer, max_length=cfg.max_length)
+    encode = functools.partial(_encode_pairs, tokenizer=tokenizer, cfg=cfg)
     return dataset.map(
         encode, batched=True, with_indices=True, remove_columns=dataset.column_names, desc="tokenizing (preference)",
         num_proc=map_processes(len(dataset)), features=PAIRS,
@@ -60,90 +62,199 @@ def tokenize_pairs(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase
 
 
 def _encode_pairs(
-    batch: dict[str, list], indices: list[int], *, tokenizer: PreTrainedTokenizerBase, max_length: int
+    batch: dict[str, list], indices: list[int], *, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig
 ) -> dict[str, list]:
     indices = batch.pop(SAMPLE_INDEX, indices)
-    prompts = batch.get("prompt", [None] * len(indices))
-    tools = batch.get("tools")  # per sample, given to the template for both sides
-    sides = {}
-    for side in PAIR_COLUMNS:
-        sides[side] = _encode_side(prompts, batch[side], side, indices, tokenizer, tools)
+    try:
+        return _encode_batch(batch, indices, tokenizer, cfg)
+    except FinetuneError:
+        if cfg.invalid != "drop":
+            raise
+    # data.invalid=drop, for a batch some pair of which was refused: each pair alone, a refused one kept as a
+    # pair not kept, carrying its reason (counted, and stopping the run past data.MAX_INVALID_SHARE).
     out: dict[str, list] = {key: [] for key in PAIRS}
     for n, index in enumerate(indices):
-        (chosen, chosen_start), (rejected, rejected_start) = sides["chosen"][n], sides["rejected"][n]
-        if chosen[:chosen_start] != rejected[:rejected_start]:
+        try:
+            alone = {column: values[n : n + 1] for column, values in batch.items()}
+            one = _encode_batch(alone, [index], tokenizer, cfg)
+        except FinetuneError as exc:
+            one = {key: [[]] if key.endswith(("_ids", "_targets")) else [0] for key in PAIRS}
+            one.update(truncated=[False], kept=[False], same=[False], invalid=[str(exc)])
+        for key, values in one.items():
+            out[key] += values
+    return out
+
+
+def _encode_batch(
+    batch: dict[str, list], indices: list[int], tokenizer: PreTrainedTokenizerBase, cfg: DataConfig
+) -> dict[str, list]:
+    prompts = batch.get("prompt", [None] * len(indices))
+    if all(isinstance(reply, str) for side in PAIR_COLUMNS for reply in batch[side]):
+        sides = {side: _encode_texts(prompts, batch[side], side, indices, tokenizer) for side in PAIR_COLUMNS}
+    else:
+        pairs = [_pair_conversations(*pair, index) for *pair, index in
+                 zip(prompts, batch["chosen"], batch["rejected"], indices, strict=True)]  # fmt: skip
+        tools = batch.get("tools")  # per sample, given to the template for both sides
+        sides = {side: _encode_conversations([pair[n] for pair in pairs], side, indices, tokenizer, tools, cfg)
+                 for n, side in enumerate(PAIR_COLUMNS)}  # fmt: skip
+    out: dict[str, list] = {key: [] for key in PAIRS}
+    for n, index in enumerate(indices):
+        chosen, rejected = sides["chosen"][n], sides["rejected"][n]
+        if chosen.prompt != rejected.prompt:
             raise FinetuneError(
                 f"sample {index}: chosen and rejected have different prompts (their texts before the replies differ "
                 "once rendered); a pair must answer the same prompt: fix or remove it"
             )
-        same = chosen[chosen_start:] == rejected[rejected_start:]
-        prompt = chosen[:chosen_start]
-        reply_chosen, reply_rejected = chosen[chosen_start:], rejected[rejected_start:]
-        room = max_length - max(len(reply_chosen), len(reply_rejected))
-        kept = room >= 1  # at least one prompt token: the first reply token must be somebody's target
+        prompt = chosen.prompt
+        room = cfg.max_length - max(len(chosen.reply), len(rejected.reply))
         truncated = len(prompt) > room
+        # At least one prompt token (the first reply token must be somebody's target), and the whole prompt
+        # unless data.truncation=truncate lets it be cut from the left (its last turns kept).
+        kept = room >= 1 and (cfg.truncation == "truncate" or not truncated)
         if kept and truncated:
             prompt = prompt[len(prompt) - room :]
-        for side, reply in (("chosen", reply_chosen), ("rejected", reply_rejected)):
-            ids = prompt + reply if kept else []
+        for side, encoded in (("chosen", chosen), ("rejected", rejected)):
+            ids = prompt + encoded.reply if kept else []
             out[f"{side}_ids"].append(ids)
-            out[f"{side}_targets"].append([IGNORE] * (len(prompt) - 1) + reply + [IGNORE] if kept else [])
+            out[f"{side}_targets"].append([IGNORE] * (len(prompt) - 1) + encoded.targets() + [IGNORE] if kept else [])
         out["truncated"].append(truncated and kept)
         out["kept"].append(kept)
-        out["same"].append(same)
+        out["same"].append(chosen.reply == rejected.reply and chosen.trained == rejected.trained)
+        out["reasoning"].append(chosen.reasoning + rejected.reasoning)
+        out["invalid"].append("")
     return out
 
 
-def _encode_side(
-    prompts: list[Any],
-    replies: list[Any],
+@dataclass(frozen=True)
+class _Side:
+    """One side of a pair: its prompt's ids, its completion's ids (from the first reply token through the last
+    reply's end-of-turn marker), which of those are compared, and how many are reasoning."""
+
+    prompt: list[int]
+    reply: list[int]
+    trained: list[bool]
+    reasoning: int = 0
+
+    def targets(self) -> list[int]:
+        return [token if trained else IGNORE for token, trained in zip(self.reply, self.trained, strict=True)]
+
+
+def _encode_texts(
+    prompts: list[Any], replies: list[str], side: str, indices: list[int], tokenizer: PreTrainedTokenizerBase
+) -> list[_Side]:
+    for prompt, index in zip(prompts, indices, strict=True):
+        if not isinstance(prompt, str):
+            raise FinetuneError(
+                f"sample {index}: {side} is text, so prompt must be text too, got {describe(prompt)}; fix or "
+                "remove the sample"
+            )
+    sides = []
+    for ids, trained in encode_prompt_completions(prompts, replies, tokenizer, completion_only=True):
+        start = trained.index(True)
+        sides.append(_Side(ids[:start], ids[start:], trained[start:]))
+    return sides
+
+
+_ASSISTANT, _USER = "assistant", "user"
+_role = message_role
+
+
+def _pair_conversations(prompt: Any, chosen: Any, rejected: Any, index: int) -> tuple[list[Any], list[Any]]:
+    """The two conversations of a pair of message lists: the shared prompt, then each side's completion, whose
+    assistant replies are the only ones compared (a reply inside the prompt is context: weight 0).
+
+    The prompt is, as TRL defines it: the `prompt` messages (also when chosen and rejected repeat them); text
+    `prompt` beside replies alone, the user's turn; else (no prompt, or text beside whole conversations that begin
+    with it, as ultrafeedback_binarized) the messages chosen and rejected share before they differ. A completion
+    may hold several turns: every assistant reply in it is compared, the user and tool turns between are context."""
+    for side, turns in (("chosen", chosen), ("rejected", rejected)):
+        if not isinstance(turns, (list, str)) or not turns:
+            raise FinetuneError(
+                f"sample {index}: {side} must be a list of messages or text, got {describe(turns)}; fix or remove it"
+            )
+    for side, turns in (("chosen", chosen), ("rejected", rejected)):
+        if isinstance(turns, str):
+            raise FinetuneError(
+                f"sample {index}: {side} is text and the other side a list of messages; give both as text or both as "
+                "messages"
+            )
+        if _role(turns[-1]) != _ASSISTANT:
+            raise FinetuneError(
+                f"sample {index}: {side} must end with the assistant reply that is preferred or not, got "
+                f"{describe(turns[-1])}; fix or remove the sample"
+            )
+    if isinstance(prompt, str):
+        firsts = {_first_user_text(turns) for turns in (chosen, rejected)}
+        if firsts == {None}:  # the replies alone
+            prompt = [{"role": "user", "content": prompt}]
+        elif firsts == {prompt.strip()}:  # whole conversations, the prompt column their first turn again
+            prompt = None
+        else:
+            raise FinetuneError(
+                f"sample {index}: prompt is text, but chosen and rejected are conversations whose first user turn is "
+                "other text; give chosen and rejected as the assistant's replies alone (the prompt is then the "
+                "user's turn), or as whole conversations that begin with the prompt"
+            )
+    elif prompt is not None and not isinstance(prompt, list):
+        raise FinetuneError(
+            f"sample {index}: prompt must be a list of messages or text, got {describe(prompt)}; fix or remove it"
+        )
+    if prompt is None:
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+            shared += 1
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    elif prompt and chosen[: len(prompt)] == prompt and rejected[: len(prompt)] == prompt:
+        chosen, rejected = chosen[len(prompt) :], rejected[len(prompt) :]  # whole conversations with the prompt
+    for side, completion in (("chosen", chosen), ("rejected", rejected)):
+        if _role(completion[0]) != _ASSISTANT:
+            raise FinetuneError(
+                f"sample {index}: chosen and rejected have different prompts (after the messages both share, {side} "
+                f"goes on with a {_role(completion[0])} turn, not the assistant's reply); a pair must answer the same "
+                "prompt: fix or remove it"
+            )
+    context = [{**m, "weight": 0} if _role(m) == _ASSISTANT and m.get("weight") is None else m for m in prompt]
+    return [*context, *chosen], [*context, *rejected]
+
+
+def _first_user_text(turns: list[Any]) -> str | None:
+    first = next((m for m in turns if _role(m) == _USER), None)
+    if first is None:
+        return None
+    text = first.get("content", first.get("value"))
+    return text.strip() if isinstance(text, str) else describe(text)
+
+
+def _encode_conversations(
+    conversations: list[list[Any]],
     side: str,
     indices: list[int],
     tokenizer: PreTrainedTokenizerBase,
-    tools: list[Any] | None = None,
-) -> list[tuple[list[int], int]]:
-    """Each sample's ids for one side, and where its reply starts (its prompt is what comes before)."""
-    if all(isinstance(reply, str) for reply in replies):
-        for prompt, index in zip(prompts, indices, strict=True):
-            if not isinstance(prompt, str):
-                raise FinetuneError(
-                    f"sample {index}: {side} is text, so prompt must be text too, got {describe(prompt)}; fix or "
-                    "remove the sample"
-                )
-        encoded = encode_prompt_completions(prompts, replies, tokenizer, completion_only=True)
-        return [(ids, trained.index(True)) for ids, trained in encoded]
-    conversations = []
-    for prompt, reply, index in zip(prompts, replies, indices, strict=True):
-        if not isinstance(reply, list):
+    tools: list[Any] | None,
+    cfg: DataConfig,
+) -> list[_Side]:
+    """Each side rendered as one whole conversation by the chat path that locates replies, its prompt what
+    comes before the completion's first reply. Reasoning is compared unless data.train_on_reasoning=false
+    keeps it as context (it stays in the ids, so both sides still share exactly the prompt)."""
+    rendered = render_chats(conversations, tokenizer, True, indices, multi_turn="full", tools=tools)
+    replies = encode_rendered(rendered, tokenizer)
+    compared = replies
+    if not cfg.train_on_reasoning and any(rendered.reasoning):
+        compared = encode_rendered(rendered, tokenizer, train_on_reasoning=False)
+    sides = []
+    for ids, ranges, kept, reasoning, index in zip(replies.ids, replies.ranges, compared.ranges,
+                                                   replies.reasoning_tokens, indices, strict=True):  # fmt: skip
+        if not ranges:
             raise FinetuneError(
-                f"sample {index}: {side} must be a list of messages or text, got {describe(reply)}; fix or remove it"
+                f"sample {index}: {side} has no reply to compare (weight 0 on every reply after the prompt); "
+                "remove the weights or the sample"
             )
-        last = reply[-1] if reply else None
-        if not (isinstance(last, dict) and (last.get("role") or last.get("from")) in ("assistant", "gpt")):
-            raise FinetuneError(
-                f"sample {index}: {side} must end with the assistant reply that is preferred or not, got "
-                f"{describe(last)}; fix or remove the sample"
-            )
-        # A prompt given as messages comes before the reply's; given as text beside whole conversations
-        # (ultrafeedback_binarized), it is their first turn again.
-        conversations.append([*prompt, *reply] if isinstance(prompt, list) else reply)
-    rendered = render_chats(conversations, tokenizer, True, indices, multi_turn="last", tools=tools)
-    encoded = encode_rendered(rendered, tokenizer)
-    starts = []
-    for ids, ranges in zip(encoded.ids, encoded.ranges, strict=True):
-        first, last = ranges[-1]  # the last reply, through its end-of-turn marker
-        starts.append(first)
-        del ids[last:]  # what a template writes after the last reply (a final newline) is neither trained nor needed
-    return list(zip(encoded.ids, starts, strict=True))
-
-
-def pair_stats(pairs: datasets.Dataset) -> tuple[int, int, int]:
-    """(pairs kept, dropped as too long, dropped as chosen equal to rejected)."""
-    table = pairs.select_columns(["kept", "same"]).with_format("arrow")[:]
-    kept, same = table["kept"].to_pylist(), table["same"].to_pylist()
-    too_long = sum(not k for k in kept)
-    identical = sum(k and s for k, s in zip(kept, same, strict=True))
-    return len(kept) - too_long - identical, too_long, identical
+        first, last = ranges[0][0], ranges[-1][1]  # what a template writes after the last reply is not needed
+        trained = [False] * (last - first)
+        for lo, hi in kept:
+            trained[lo - first : hi - first] = [True] * (hi - lo)
+        sides.append(_Side(ids[:first], ids[first:last], trained, reasoning))
+    return sides
 
 
 def prepare_pairs(
@@ -153,26 +264,31 @@ def prepare_pairs(
     wheres: list[str | None],
     first_index: int = 0,
 ) -> tuple[datasets.Dataset, PairStats]:
-    """Tokenize each source's pairs, drop (and count) those too long or with equal replies, mix, and number
-    the pairs kept from `first_index` (`pair_index`: where a precomputed reference is looked up)."""
+    """Tokenize each source's pairs, drop (and count) those too long, with equal replies or (data.invalid=drop)
+    malformed, mix, and number the pairs kept from `first_index` (`pair_index`: where a precomputed reference is
+    looked up)."""
     tokenized = []
     for (_, dataset), where in zip(parts, wheres, strict=True):
         try:
-            tokenized.append(tokenize_pairs(dataset, tokenizer, cfg))
+            pairs = tokenize_pairs(dataset, tokenizer, cfg)
+            if cfg.invalid == "drop":
+                check_invalid_share(pairs, "the data")
         except FinetuneError as exc:
             raise FinetuneError(f"{where}: {exc}" if where else str(exc)) from None
+        tokenized.append(pairs)
     every = tokenized[0] if len(tokenized) == 1 else datasets.concatenate_datasets(tokenized)
-    stats = PairStats(*pair_stats(every), sum(every["truncated"]))
+    stats = PairStats.of(every, cfg.train_on_reasoning)
     if stats.num_pairs == 0:
+        cut = "even with their prompt cut" if cfg.truncation == "truncate" else "(data.truncation=drop)"
         raise FinetuneError(
             f"none of the {len(every):,} pairs can be trained: {stats.num_too_long:,} do not fit data.max_length="
-            f"{cfg.max_length} even with their prompt cut, {stats.num_identical:,} prefer a reply to itself; check "
-            "the data, or raise data.max_length"
+            f"{cfg.max_length} {cut}, {stats.num_identical:,} prefer a reply to itself, {stats.num_invalid:,} are "
+            "invalid; check the data, or raise data.max_length"
         )
     with no_datasets_bars():
         kept = every.filter(lambda k, s: [a and not b for a, b in zip(k, s, strict=True)],
                             input_columns=["kept", "same"], batched=True)  # fmt: skip
-    kept = kept.remove_columns(["kept", "same", "truncated"])
+    kept = kept.remove_columns(["kept", "same", "truncated", "reasoning", "invalid"])
     return kept.add_column("pair_index", list(range(first_index, first_index + len(kept)))), stats
 
 
@@ -182,11 +298,35 @@ class PairStats:
     num_too_long: int
     num_identical: int
     num_truncated: int
+    num_invalid: int = 0
+    invalid_examples: tuple[str, ...] = ()
+    num_reasoning_tokens: int = 0
+    reasoning_trained: bool = True
+
+    @classmethod
+    def of(cls, pairs: datasets.Dataset, reasoning_trained: bool) -> PairStats:
+        table = pairs.select_columns(["kept", "same", "truncated", "reasoning", "invalid"]).with_format("arrow")[:]
+        kept, same = table["kept"].to_pylist(), table["same"].to_pylist()
+        reasons = [reason for reason in table["invalid"].to_pylist() if reason]
+        too_long = sum(not k for k in kept) - len(reasons)
+        identical = sum(k and s for k, s in zip(kept, same, strict=True))
+        return cls(
+            num_pairs=len(kept) - too_long - identical - len(reasons), num_too_long=too_long,
+            num_identical=identical, num_truncated=sum(table["truncated"].to_pylist()), num_invalid=len(reasons),
+            invalid_examples=tuple(reasons[:3]), num_reasoning_tokens=sum(table["reasoning"].to_pylist()),
+            reasoning_trained=reasoning_trained,
+        )  # fmt: skip
 
     def describe(self, split: str) -> str:
+        extra = ""
+        if self.num_reasoning_tokens:
+            compared = "compared" if self.reasoning_trained else "context only, not compared"
+            extra += f", {self.num_reasoning_tokens:,} tokens of reasoning in the replies ({compared})"
+        if self.num_invalid:
+            extra += f", {self.num_invalid:,} invalid dropped (first: {' | '.join(self.invalid_examples)})"
         return (
             f"{split}: {self.num_pairs:,} pairs, {self.num_truncated:,} with their prompt cut to fit, "
-            f"{self.num_too_long:,} dropped as too long, {self.num_identical:,} dropped as chosen = rejected"
+            f"{self.num_too_long:,} dropped as too long, {self.num_identical:,} dropped as chosen = rejected{extra}"
         )
 
 

@@ -24,10 +24,14 @@ LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": 
 def check_sources(cfg: DataConfig) -> None:
     """What can be checked of the data before anything loads: local paths exist, hold one supported
     file type, and are not empty; splits are named only where there are splits to choose."""
-    named = [(source.path, source.split, "train", source.subset) for source in cfg.sources()] + [
-        (cfg.eval_path, cfg.eval_split, "eval", None)
-    ]
-    for path, split, key, subset in named:
+    # Each path with the recipe keys that name it and its split, as the user wrote them.
+    if cfg.train is not None:
+        named = [(s.path, s.split, f"data.train[{n}].path", f"data.train[{n}].split", s.subset)
+                 for n, s in enumerate(cfg.train)]  # fmt: skip
+    else:
+        named = [(cfg.train_path, cfg.train_split, "data.train_path", "data.train_split", None)]
+    named.append((cfg.eval_path, cfg.eval_split, "data.eval_path", "data.eval_split", None))
+    for path, split, path_key, split_key, subset in named:
         if path is None:
             continue
         local = Path(path).expanduser()
@@ -35,12 +39,12 @@ def check_sources(cfg: DataConfig) -> None:
         if not looks_local:
             continue  # a hub dataset id
         if not local.exists():
-            raise FinetuneError(f"data.{key}_path {path} does not exist; point it at a data file or folder")
+            raise FinetuneError(f"{path_key} {path} does not exist; point it at a data file or folder")
         local_files(local_subset(local, subset))  # raises for unsupported, mixed or empty
         if split != "train":
             raise FinetuneError(
-                f"data.{key}_split={split!r} has no effect on local data {path}, which is one split; point "
-                f"data.{key}_path at that split's file and leave data.{key}_split out"
+                f"{split_key}={split!r} has no effect on local data {path}, which is one split; point "
+                f"{path_key} at that split's file and leave {split_key} out"
             )
     if cfg.chat_template is not None and not names_a_template(cfg.chat_template):
         read_chat_template(cfg.chat_template)  # a file or a template that renders a conversation
@@ -138,6 +142,11 @@ def take_fraction(dataset: datasets.Dataset, source: SourceConfig, seed: int) ->
         raise FinetuneError(
             f"data.train source {source.path}: fraction={source.fraction:g} of its {len(dataset):,} samples makes "
             f"{total:,}, more than {MAX_SOURCE_SAMPLES:,}; lower the fraction (or use train.num_epochs for passes)"
+        )
+    if total == 0:
+        raise FinetuneError(
+            f"data.train source {source.path}: fraction={source.fraction:g} of its {len(dataset):,} samples rounds to "
+            f"none; raise it to at least {1 / len(dataset):.2g}, or remove the source"
         )
     subset = numpy.random.default_rng(seed).permutation(len(dataset))[:extra]
     return dataset.select(numpy.concatenate([numpy.tile(numpy.arange(len(dataset)), whole), subset]))

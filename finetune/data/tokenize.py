@@ -232,6 +232,21 @@ WITH_INVALID = datasets.Features({**TOKENIZED, "invalid": datasets.Value("string
 """With data.invalid=drop, also why each sample left out was refused ("" for the others)."""
 
 
+MAX_INVALID_SHARE = 0.01
+"""data.invalid=drop stops a run when more than this share of one source is malformed."""
+
+
+def check_invalid_share(tokenized: datasets.Dataset, where: str) -> None:
+    """data.invalid=drop: stop when more of one source (`tokenized`, its "invalid" column) is malformed than a few
+    bad rows would explain."""
+    reasons = [reason for reason in tokenized["invalid"] if reason]
+    if len(reasons) > MAX_INVALID_SHARE * len(tokenized):
+        raise FinetuneError(
+            f"{where}: {len(reasons):,} of its {len(tokenized):,} samples are invalid, more than data.invalid=drop "
+            f"leaves out ({MAX_INVALID_SHARE:.0%}): the data or its columns mapping is wrong? First: {reasons[0]}"
+        )
+
+
 def map_processes(num_samples: int) -> int | None:
     """Worker processes for tokenizing `num_samples` samples: none below 50,000 (starting workers costs
     more than it saves), else one per 25,000 samples up to half the CPUs (the others run training's
