@@ -417,4 +417,15 @@ def check(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
         lines.append(f"wrap: {units} units of {', '.join(classes)}")
     lines.append(f"launch: {launch.describe()}")
     lines.append(f"memory per device: {verdict(shape, recipe, launch, gpu_memory)}")
+    lines.append(_template_line(recipe))
     return "\n".join(lines)
+
+
+def _template_line(recipe: RecipeConfig) -> str:
+    """The recipe's chat template tried on probe conversations, where its tokenizer is on this machine."""
+    from finetune.data.chat import probe_template
+    from finetune.model import load_tokenizer, model_folder
+
+    if model_folder(recipe.model.name_or_path) is None:
+        return "chat template: not checked (the tokenizer of model.name_or_path is not on this machine yet)"
+    return probe_template(load_tokenizer(recipe.model, recipe.data.chat_template))

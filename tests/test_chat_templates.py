@@ -725,3 +725,149 @@ def test_reasoning_in_either_field_is_written_where_the_template_reads_it_and_tr
 def encoded_trained(tokenizer, messages: list[dict]) -> str:
     [(ids, trained)] = encode_chats([messages], tokenizer, True)
     return tokenizer.decode([i for i, t in zip(ids, trained, strict=True) if t])
+
+
+# Templates of 2025-26 models' behaviours (#37), small ones written here. The rule they check: an assistant turn
+# is trained from the end of its header (what the template writes for a generation prompt, less a think tag the
+# prompt forces) through its end-of-turn marker, tool calls with their wrappers, an empty think block included.
+
+# QwQ's and DeepSeek-R1's: the generation prompt opens the reasoning (`<think>\n`), which a turn of tool calls or an
+# earlier reply does not have; calls written with Qwen's wrappers, several per turn, after the turn's words.
+FORCED_THINK_TOOLS = r"""{%- for m in messages %}
+{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\n' }}
+{%- set c = m.content or '' %}{% if '</think>' in c %}{% set c = c.split('</think>')[-1].lstrip('\n') %}{% endif %}
+{{- c }}
+{%- for tc in m.tool_calls or [] %}{% set f = tc.function %}
+{{- '<tool_call>\n{"name": "' + f.name + '", "arguments": ' + (f.arguments | tojson) + '}\n</tool_call>' }}
+{%- endfor %}{{- '<|im_end|>\n' }}
+{%- elif m.role == 'tool' %}{{- '<|im_start|>user\n<tool_response>\n' + m.content + '\n</tool_response><|im_end|>\n' }}
+{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n<think>\n' }}{% endif %}"""
+
+# GLM-4.7's and DeepSeek-V3.2's: earlier replies keep a bare `</think>` where their reasoning was, the last one
+# its reasoning; the generation prompt opens the reasoning.
+BARE_THINK_CLOSE = r"""{%- for m in messages %}
+{%- if m.role == 'assistant' %}{% set c = m.content %}
+{%- set r = m.reasoning_content if m.reasoning_content is defined else '' %}
+{%- if '</think>' in c %}{% set r = c.split('</think>')[0].split('<think>')[-1] %}
+{%- set c = c.split('</think>')[-1] %}{% endif %}
+{{- '<|assistant|>' }}{% if loop.last %}{{- '<think>' + r + '</think>' }}{% else %}{{- '</think>' }}{% endif %}
+{{- c + '<|end|>' }}
+{%- else %}{{- '<|' + m.role + '|>' + m.content + '<|end|>' }}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|assistant|><think>' }}{% endif %}"""
+
+# Nemotron-3's: earlier replies keep an empty think block.
+EMPTY_THINK_BLOCK = BARE_THINK_CLOSE.replace("{{- '</think>' }}", "{{- '<think></think>' }}")
+
+# gpt-oss's harmony and gemma-4's: a tool result's header names the call it answers.
+NAMED_RESULTS = r"""{%- for m in messages %}
+{%- if m.role == 'assistant' %}{{- '<|turn|>model\n' + (m.content or '') }}
+{%- for tc in m.tool_calls or [] %}
+{{- '<|tool_call|>call:' + tc.function.name + (tc.function.arguments | tojson) + '<|/tool_call|>' }}
+{%- endfor %}{{- '<|end|>\n' }}
+{%- elif m.role == 'tool' %}
+{{- '<|turn|>tool\n' + messages[loop.index0 - 1].tool_calls[0].function.name + ': ' + m.content + '<|end|>\n' }}
+{%- else %}{{- '<|turn|>' + m.role + '\n' + m.content + '<|end|>\n' }}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|turn|>model\n' }}{% endif %}"""
+
+# Llama-3.3's, Mistral-Small's, Hermes-3's: a turn of tool calls is written as its calls alone, its text dropped.
+DROPS_CALL_TEXT = r"""{%- for m in messages %}
+{%- if m.role == 'assistant' and m.tool_calls %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' + (m.tool_calls[0].function | tojson) + '<|eot_id|>' }}
+{%- else %}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\n\n' + m.content + '<|eot_id|>' }}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"""
+
+
+def template_tokenizer(base_tokenizer, template: str, eos: str, specials: list[str]):
+    tokenizer = AutoTokenizer.from_pretrained(base_tokenizer.name_or_path)
+    tokenizer.add_special_tokens({"eos_token": eos, "additional_special_tokens": specials})
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+CALL_2 = {"type": "function", "function": {"name": "get_time", "arguments": {"city": "Paris"}}}
+AGENT_CHAT = [
+    {"role": "user", "content": "Weather and time in Paris?"},
+    {"role": "assistant", "content": "Let me look.", "tool_calls": [CALL, CALL_2]},  # words, then parallel calls
+    {"role": "tool", "content": '{"sky": "sunny"}'},
+    {"role": "tool", "content": '{"time": "9:00"}'},
+    {"role": "assistant", "tool_calls": [CALL]},  # a call alone, in a later turn
+    {"role": "tool", "content": '{"sky": "still sunny"}'},
+    {"role": "assistant", "content": " Sunny, 9:00 — très beau."},  # a leading space, unicode
+]
+WRAPPED = '<tool_call>\n{{"name": "{}", "arguments": {{"city": "Paris"}}}}\n</tool_call>'
+
+
+def test_a_turn_of_tool_calls_is_trained_with_its_wrappers_under_a_prompt_that_opens_reasoning(base_tokenizer):
+    tokenizer = template_tokenizer(base_tokenizer, FORCED_THINK_TOOLS, "<|im_end|>", ["<|im_start|>", "<think>"])
+    trained, _, _ = trained_and_ids(tokenizer, AGENT_CHAT)
+    assert trained == (
+        "Let me look." + WRAPPED.format("get_weather") + WRAPPED.format("get_time") + "<|im_end|>"
+        + WRAPPED.format("get_weather") + "<|im_end|>" + " Sunny, 9:00 — très beau.<|im_end|>"
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("template", "earlier"), [(BARE_THINK_CLOSE, "</think>"), (EMPTY_THINK_BLOCK, "<think></think>")]
+)
+def test_what_a_template_writes_into_an_earlier_reply_for_its_thinking_is_trained_with_it(
+    base_tokenizer, template, earlier
+):
+    tokenizer = template_tokenizer(base_tokenizer, template, "<|end|>", ["<|user|>", "<|assistant|>", "<think>",
+                                                                          "</think>"])  # fmt: skip
+    messages = turns(("user", "reverse: 1 2"), ("assistant", "<think>swap</think>2 1"), ("user", "and 3 4"),
+                     ("assistant", "<think>swap again</think>4 3"))  # fmt: skip
+    trained, _, text = trained_and_ids(tokenizer, messages)
+    assert f"<|assistant|>{earlier}2 1<|end|>" in text
+    # After the prompt `<|assistant|><think>` the model writes `</think>` to end an empty reasoning: trained.
+    assert trained == "</think>2 1<|end|>swap again</think>4 3<|end|>"
+
+
+def test_a_tool_result_that_names_its_call_leaves_the_call_located(base_tokenizer):
+    tokenizer = template_tokenizer(base_tokenizer, NAMED_RESULTS, "<|end|>", ["<|turn|>", "<|tool_call|>",
+                                                                              "<|/tool_call|>"])  # fmt: skip
+    trained, _, text = trained_and_ids(tokenizer, TOOL_CHAT)
+    assert "<|turn|>tool\nget_weather: " in text
+    assert trained == '<|tool_call|>call:get_weather{"city": "Paris"}<|/tool_call|><|end|>It is sunny.<|end|>'
+
+
+def test_text_a_template_drops_from_a_turn_of_tool_calls_is_refused_naming_why(base_tokenizer):
+    tokenizer = template_tokenizer(base_tokenizer, DROPS_CALL_TEXT, "<|eot_id|>", ["<|start_header_id|>",
+                                                                                   "<|end_header_id|>"])  # fmt: skip
+    assert trained_and_ids(tokenizer, TOOL_CHAT)[0] == (
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}<|eot_id|>It is sunny.<|eot_id|>'
+    )
+    thinking = [TOOL_CHAT[0], {**TOOL_CHAT[1], "content": "<think>Paris is a city.</think>"}, *TOOL_CHAT[2:]]
+    with pytest.raises(FinetuneError, match="sample 0, message 1: the chat template writes no text for an assistant"):
+        encode_chats([thinking], tokenizer, True)
+
+
+def test_finetune_check_tries_the_template_on_agent_and_reasoning_shapes(base_tokenizer):
+    from finetune.data.chat import probe_template
+
+    located = probe_template(template_tokenizer(base_tokenizer, FORCED_THINK_TOOLS, "<|im_end|>", ["<|im_start|>"]))
+    assert located == (
+        "chat template: replies located exactly in multi-turn replies with reasoning, in parallel tool calls, "
+        "their results and an answer"
+    )
+    summarized = probe_template(family_tokenizer(base_tokenizer, "last-reply-only"))
+    assert summarized.startswith("chat template: cannot train multi-turn replies with reasoning (its probe: the ")
+
+
+def test_a_template_that_renders_only_with_tools_is_learned_with_a_probe_tool(base_tokenizer):
+    """Hermes-3's and Command-R's tool-use templates raise on a conversation without tools: their layout (header,
+    end marker) is learned with a probe tool, so replies still train through their end marker."""
+    tokenizer = family_tokenizer(base_tokenizer, "tools")
+    tokenizer.chat_template = (
+        "{%- if not tools %}{{ raise_exception('this template renders conversations with tools only') }}{% endif %}"
+        + TOOLS
+    )
+    [(ids, trained)] = encode_chats([TOOL_CHAT], tokenizer, True, tools=[json.dumps([WEATHER])])
+    assert tokenizer.decode([i for i, t in zip(ids, trained, strict=True) if t]) == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+        "It is sunny.<|im_end|>"
+    )

@@ -540,6 +540,49 @@ def _per_turn(chat: _Chat, shape: TemplateShape, replies: list[int]) -> list[Ren
     return samples
 
 
+_PROBE_TOOL = {"type": "function", "function": {"name": "lookup", "description": "Look a word up.", "parameters": {
+    "type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}  # fmt: skip
+_PROBE_CALL = {"type": "function", "function": {"name": "lookup", "arguments": {"word": "probe"}}}
+# The shapes agent and reasoning data take: several turns, reasoning on the last; a turn of parallel tool calls,
+# their results, and an answer.
+_PROBES = {
+    "multi-turn replies with reasoning": [
+        {"role": "user", "content": "First question?"}, {"role": "assistant", "content": "First answer."},
+        {"role": "user", "content": "Second question?"},
+        {"role": "assistant", "content": "Second answer.", "reasoning_content": "Some thought."},
+    ],
+    "parallel tool calls, their results and an answer": [
+        {"role": "user", "content": "Look two words up."},
+        {"role": "assistant", "tool_calls": [_PROBE_CALL, _PROBE_CALL]},
+        {"role": "tool", "content": "one result"}, {"role": "tool", "content": "another result"},
+        {"role": "assistant", "content": "Both found."},
+    ],
+}  # fmt: skip
+
+
+def probe_template(tokenizer: PreTrainedTokenizerBase) -> str:
+    """`finetune check`: the chat template tried on the shapes of conversation agent and reasoning data take (tool
+    calls where it renders tools), each located exactly or said not to be, with the reason: data of that shape
+    would be refused when it is tokenized."""
+    if not tokenizer.chat_template:
+        return "chat template: none (chat data needs data.chat_template)"
+    located, problems = [], []
+    for shape, conversation in _PROBES.items():
+        calls = any(message.get("tool_calls") for message in conversation)
+        if calls and "tool_calls" not in tokenizer.chat_template:
+            continue  # a template that writes no calls: tool data is refused, and says why, when tokenized
+        schemas = [[_PROBE_TOOL]] if calls and "tools" in tokenizer.chat_template else None
+        try:
+            render_chats([conversation], tokenizer, True, tools=schemas)
+        except FinetuneError as exc:
+            problems.append(f"{shape} ({str(exc).replace('sample 0', 'its probe', 1)})")
+        else:
+            located.append(shape)
+    parts = [f"replies located exactly in {', in '.join(located)}"] if located else []
+    parts += [f"cannot train {problem}" for problem in problems]
+    return "chat template: " + "; ".join(parts)
+
+
 def chat_tools(value: Any, index: int) -> list[dict[str, Any]] | None:
     """A sample's `tools`: JSON schemas as a list, or as JSON text; nulls that Arrow filled in are dropped."""
     if value is None:
@@ -799,6 +842,12 @@ class TemplateShape:
     last_end_marker: str = ""
     """What closes the reply that ends a conversation, through its first special token, where the template
     closes that one otherwise (gpt-oss's harmony: `<|return|>`, the token generation stops at, for `<|end|>`)."""
+    headers: tuple[str, ...] = ()
+    """What may open an assistant turn, the longest first: the reply prefix and the generation prompt, and both
+    less a think tag the generation prompt ends with. A prompt that opens the reasoning (QwQ's, DeepSeek-R1's
+    `<think>\n`) or closes it (non-thinking modes' `</think>`) is written so for the reply being generated only:
+    an earlier turn, or a turn of tool calls, opens without it, and all it writes after the rest of the header
+    (its calls' wrappers, an empty think block) is what the model generated in that turn."""
 
 
 _SENTINEL = "\ue000{}\ue001"  # private-use characters: in no template, untouched by trim
@@ -822,9 +871,11 @@ class _Renderer:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Renderer) and other.tokenizer.chat_template == self.tokenizer.chat_template
 
-    def __call__(self, messages: list[dict[str, str]], generation: bool = False) -> str | None:
+    def __call__(self, messages: list[dict[str, str]], generation: bool = False, tools: Any = None) -> str | None:
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=generation
+            )
         except Exception:  # a template that refuses the probe conversation: that part of the shape stays empty
             return None
 
@@ -832,6 +883,12 @@ class _Renderer:
 @functools.lru_cache(maxsize=8)
 def _template_shape(template: str, specials: tuple[str, ...], render: _Renderer) -> TemplateShape:
     user, reply, user2 = (_SENTINEL.format(f"probe{i}") for i in range(3))
+    # Probed without tools, or with one where the template renders nothing without (Hermes-3's and Command-R's
+    # tool-use templates raise): its layout is learned either way, never left empty.
+    tools = None
+    if render([{"role": "user", "content": user}], generation=True) is None:
+        tools = [_PROBE_TOOL] if render([{"role": "user", "content": user}], True, [_PROBE_TOOL]) else None
+    render = functools.partial(render, tools=tools)
     prompt = render([{"role": "user", "content": user}], generation=True) or ""
     bare = render([{"role": "user", "content": user}]) or ""
     generation_prompt = prompt[len(bare) :] if prompt.startswith(bare) else ""
@@ -845,10 +902,21 @@ def _template_shape(template: str, specials: tuple[str, ...], render: _Renderer)
     after_reply = closing.split(reply, 1)[1].split(user2, 1)[0] if reply in closing else ""
     ending = render(turns) or ""
     after_last = ending.split(reply, 1)[1] if reply in ending else ""
+    full = [header for header in (reply_prefix, generation_prompt) if header]
+    headers = dict.fromkeys([*full, *(_without_think_tag(header) for header in full)])
     return TemplateShape(
         reply_prefix, generation_prompt, _through_first_special(after_reply, specials),
-        _through_first_special(after_last, specials),
+        _through_first_special(after_last, specials), tuple(header for header in headers if header),
     )  # fmt: skip
+
+
+def _without_think_tag(header: str) -> str:
+    """`header` less the think tag (and whitespace around it) it ends with, or "" if it ends with none."""
+    stripped = header.rstrip()
+    for tag in ("<think>", "</think>"):
+        if stripped.endswith(tag):
+            return stripped[: -len(tag)]
+    return ""
 
 
 def _through_first_special(text: str, specials: tuple[str, ...]) -> str:
@@ -865,21 +933,38 @@ def _reply_spans(
     """Character spans in `text` of the replies `trained` (message positions), and of the reasoning
     inside them, or None when the template's rendering does not let them be located (see `render_chats`)."""
     placeholders = list(chat.messages)
+    names = {}  # reply -> the call name its placeholder stands for (a reply of tool calls only)
     for k, i in enumerate(trained):
         replaced = _with_placeholder(chat.messages[i], _SENTINEL.format(k))
         if replaced is None:
             return None
         message = replaced[0]
+        if not chat.messages[i].get("content"):
+            names[k] = replaced[1]
         if (field := _reasoning_of(message)) is not None:
             message = {**message, field: _SENTINEL.format(f"r{k}")}
         placeholders[i] = message
     marked = chat.render(placeholders)
+    for k, name in names.items():
+        # Templates that name the call again in its result's header (harmony's `functions.get_weather to=...`,
+        # gemma-4's): the first place is the call's; the later ones are template text, the name as written.
+        placeholder = _SENTINEL.format(k)
+        first = marked.find(placeholder) + len(placeholder)
+        if first >= len(placeholder):
+            marked = marked[:first] + marked[first:].replace(placeholder, name)
     # The placeholders in the order the template wrote them: every reply once, its reasoning once or
     # not at all (templates drop the reasoning of earlier replies).
     found = []
-    for k in range(len(trained)):
+    for k, i in enumerate(trained):
         for kind, placeholder in (("reasoning", _SENTINEL.format(f"r{k}")), ("reply", _SENTINEL.format(k))):
             count = marked.count(placeholder)
+            if kind == "reply" and count == 0 and chat.messages[i].get("tool_calls") and k not in names:
+                raise FinetuneError(
+                    f"sample {chat.index}, message {i}: the chat template writes no text for an assistant turn that "
+                    "makes tool calls, so this turn's text (its reasoning or words before the calls) would be "
+                    "neither seen nor trained; move that text to a turn of its own or remove it, or set "
+                    "data.chat_template to a template that renders it"
+                )
             if count > 1 or (kind == "reply" and count == 0):
                 return None
             if count:
@@ -1022,12 +1107,22 @@ class _Laid(NamedTuple):
 
 def _header_end(template_text: str, shape: TemplateShape) -> int | None:
     """Where `_reply_start` would find a reply's start inside the template text before it, or None where it
-    would search further back (the first header it tries is not in that text)."""
-    for header in (shape.reply_prefix, shape.generation_prompt):
-        if header:
-            at = template_text.rfind(header)
-            return at + len(header) if at >= 0 else None
-    return len(template_text)
+    would search further back (no header is in that text)."""
+    if not shape.headers:
+        return len(template_text)
+    end = _last_header_end(template_text, 0, len(template_text), shape.headers)
+    return end if end >= 0 else None
+
+
+def _last_header_end(text: str, start: int, end: int, headers: tuple[str, ...]) -> int:
+    """The end of the header in text[start:end] that ends last (the longest where several end together: the
+    whole generation prompt before a part of it), or -1."""
+    found = -1
+    for header in headers:
+        at = text.rfind(header, start, end)
+        if at >= 0:
+            found = max(found, at + len(header))
+    return found
 
 
 _PLACEHOLDER = re.compile("\ue000([cr][0-9]+)\ue001")
@@ -1172,8 +1267,5 @@ def _with_placeholder(message: dict[str, Any], placeholder: str) -> tuple[dict[s
 
 def _reply_start(text: str, start: int, end: int, shape: TemplateShape) -> int:
     """Where a reply begins in the template text text[start:end] before it: after its last assistant header."""
-    for header in (shape.reply_prefix, shape.generation_prompt):
-        at = text.rfind(header, start, end) if header else -1
-        if at >= 0:
-            return at + len(header)
-    return end
+    found = _last_header_end(text, start, end, shape.headers)
+    return found if found >= 0 else end
