@@ -871,3 +871,30 @@ def test_a_template_that_renders_only_with_tools_is_learned_with_a_probe_tool(ba
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
         "It is sunny.<|im_end|>"
     )
+
+
+# Command-R7B's tool-use layout: rendered only with tools, a reply wrapped in <|START_RESPONSE|> ... <|END_RESPONSE|>
+# and its turn closed by one more token.
+RESPONSE_WRAPPED = r"""{%- if not tools %}{{ raise_exception('this template renders conversations with tools only') }}
+{%- endif %}
+{{- '<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>Tools: ' + (tools | map(attribute='function') | map(attribute='name')
+    | join(', ')) + '<|END_OF_TURN_TOKEN|>' }}
+{%- for m in messages %}
+{%- if m.role == 'assistant' %}
+{{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>' + m.content
+    + '<|END_RESPONSE|><|END_OF_TURN_TOKEN|>' }}
+{%- else %}{{- '<|START_OF_TURN_TOKEN|><|USER_TOKEN|>' + m.content + '<|END_OF_TURN_TOKEN|>' }}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}{% endif %}"""
+
+
+def test_a_turn_closed_by_two_tokens_trains_both_and_its_opening(base_tokenizer):
+    specials = ["<|START_OF_TURN_TOKEN|>", "<|SYSTEM_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>",
+                "<|START_RESPONSE|>", "<|END_RESPONSE|>"]  # fmt: skip
+    tokenizer = template_tokenizer(base_tokenizer, RESPONSE_WRAPPED, "<|END_OF_TURN_TOKEN|>", specials)
+    messages = turns(("user", "reverse: 1 2"), ("assistant", "2 1"), ("user", "and 3 4"), ("assistant", "4 3"))
+    [(ids, trained)] = encode_chats([messages], tokenizer, True, tools=[json.dumps([WEATHER])])
+    assert tokenizer.decode([i for i, t in zip(ids, trained, strict=True) if t]) == (
+        "<|START_RESPONSE|>2 1<|END_RESPONSE|><|END_OF_TURN_TOKEN|><|START_RESPONSE|>4 3<|END_RESPONSE|>"
+        "<|END_OF_TURN_TOKEN|>"
+    )

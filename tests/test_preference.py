@@ -129,6 +129,20 @@ def test_multi_turn_completions_compare_every_reply_after_the_shared_prompt(toke
     assert same == row
 
 
+def test_a_completion_whose_replies_a_template_cannot_locate_together_names_a_preference_fix(tokenizer):
+    summarizing = AutoTokenizer.from_pretrained(tokenizer.name_or_path)  # earlier replies written as a summary
+    summarizing.chat_template = (
+        "{%- for m in messages %}{% if m.role == 'assistant' and not loop.last %}"
+        "{{- '<|assistant|>(earlier)<|end|>' }}{% else %}{{- '<|' + m.role + '|>' + m.content + '<|end|>' }}"
+        "{% endif %}{% endfor %}"
+    )
+    prompt = [turn("user", "reverse: 1 2")]
+    chosen = [turn("assistant", "2 1"), turn("user", "again: 3 4"), turn("assistant", "4 3")]
+    rejected = [turn("assistant", "1 2"), turn("user", "again: 3 4"), turn("assistant", "3 4")]
+    with pytest.raises(FinetuneError, match=r"\(chosen\); a pair's completion is compared as one rendering: give"):
+        pairs_of([{"prompt": prompt, "chosen": chosen, "rejected": rejected}], summarizing)
+
+
 def test_reasoning_is_compared_unless_data_keeps_it_as_context(tokenizer):
     sample = {
         "prompt": [turn("user", "reverse: 1 2")],

@@ -20,6 +20,7 @@ import functools
 import itertools
 import json
 import operator
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -904,10 +905,20 @@ def _template_shape(template: str, specials: tuple[str, ...], render: _Renderer)
     after_last = ending.split(reply, 1)[1] if reply in ending else ""
     full = [header for header in (reply_prefix, generation_prompt) if header]
     headers = dict.fromkeys([*full, *(_without_think_tag(header) for header in full)])
+    # The end of a turn: what the template writes after a reply both before the next turn and at the end of the
+    # conversation, through its last special token (Command-R's `<|END_RESPONSE|><|END_OF_TURN_TOKEN|>`: both
+    # are the reply's); where those differ from the first character, through the first special token after it.
+    shared = _through_last_special(os.path.commonprefix([after_reply, after_last]), specials)
     return TemplateShape(
-        reply_prefix, generation_prompt, _through_first_special(after_reply, specials),
+        reply_prefix, generation_prompt, shared or _through_first_special(after_reply, specials),
         _through_first_special(after_last, specials), tuple(header for header in headers if header),
     )  # fmt: skip
+
+
+def _through_last_special(text: str, specials: tuple[str, ...]) -> str:
+    """`text` through its last special token, or "" without one."""
+    ends = [text.rfind(token) + len(token) for token in specials if token and token in text]
+    return text[: max(ends)] if ends else ""
 
 
 def _without_think_tag(header: str) -> str:

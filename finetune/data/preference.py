@@ -236,7 +236,16 @@ def _encode_conversations(
     """Each side rendered as one whole conversation by the chat path that locates replies, its prompt what
     comes before the completion's first reply. Reasoning is compared unless data.train_on_reasoning=false
     keeps it as context (it stays in the ids, so both sides still share exactly the prompt)."""
-    rendered = render_chats(conversations, tokenizer, True, indices, multi_turn="full", tools=tools)
+    try:
+        rendered = render_chats(conversations, tokenizer, True, indices, multi_turn="full", tools=tools)
+    except FinetuneError as exc:
+        if "cannot be located" not in str(exc):
+            raise
+        # SFT's advice (data.multi_turn) is not a preference run's: the two sides are compared whole.
+        raise FinetuneError(
+            f"{str(exc).split(';')[0]} ({side}); a pair's completion is compared as one rendering: give each side "
+            "one reply after the prompt, or set data.chat_template to a template that writes every reply as it is"
+        ) from None
     replies = encode_rendered(rendered, tokenizer)
     compared = replies
     if not cfg.train_on_reasoning and any(rendered.reasoning):
