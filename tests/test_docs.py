@@ -44,3 +44,28 @@ def test_every_path_named_in_the_docs_exists():
     assert paths, "no paths found"
     missing = [p for p in sorted(paths) if not (REPO / p).exists()]
     assert not missing
+
+
+def test_the_recipe_table_lists_every_key_of_every_section():
+    """docs/configs.md's table of recipe keys holds every field of every section (and of a mixture's sources)."""
+    import dataclasses
+    import typing
+
+    from finetune.config import RecipeConfig, SourceConfig
+
+    rows = {}
+    for line in (REPO / "docs" / "configs.md").read_text().splitlines():
+        cells = line.split(" | ")
+        if line.startswith("| `") and len(cells) == 2:
+            rows[re.match(r"\| `(\w+)`", line)[1]] = cells[1]
+    hints = typing.get_type_hints(RecipeConfig)
+    for field in dataclasses.fields(RecipeConfig):  # each section's type: a dataclass, or one of a union's
+        section = next(
+            t for t in (hints[field.name], *typing.get_args(hints[field.name])) if dataclasses.is_dataclass(t)
+        )
+        keys = {key.name for key in dataclasses.fields(section)}
+        if field.name == "data":
+            keys |= {key.name for key in dataclasses.fields(SourceConfig)}
+        assert field.name in rows, f"no row for the {field.name} section"
+        documented = set(re.findall(r"`(\w+)`", rows[field.name]))
+        assert keys <= documented, (field.name, sorted(keys - documented))
