@@ -43,7 +43,11 @@ def test_no_class_named_uses_no_split_modules(llama):
 def test_gpt2_block_is_accepted_for_gpt2():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32))
     named = plugin(auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["GPT2Block"])
-    validate_wrap_policy(named, gpt2)
+    validate_wrap_policy(named, gpt2)  # no error, and the class kept as named: the two blocks are the units
+    assert named.transformer_cls_names_to_wrap == ["GPT2Block"]
+    inferred = plugin(auto_wrap_policy="transformer_based_wrap")  # none named: the model's _no_split_modules
+    validate_wrap_policy(inferred, gpt2)
+    assert inferred.transformer_cls_names_to_wrap == ["GPT2Block"]
 
 
 @pytest.mark.parametrize("version", [1, 2])
