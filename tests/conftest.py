@@ -234,10 +234,16 @@ def per_sample_eval_loss(model, tokenizer, eval_path: Path) -> float:
     return loss_sum / num_targets
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` run where a GPU is (`make test-gpu`); elsewhere they are skipped, saying why."""
+    """A test on a launched run (a fixture named `*_run`) starts processes: marked `multiprocess` whether or not
+    it says so, so that `-m "not multiprocess"` starts none. Tests marked `cuda` run where a GPU is (`make
+    test-gpu`); elsewhere they are skipped, saying why."""
     import torch
 
+    for item in items:
+        if any(name.endswith("_run") for name in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.multiprocess)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: run make test-gpu on a machine with one")
