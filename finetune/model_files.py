@@ -18,10 +18,12 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from finetune.checkpoint import ADAPTER_RECORD
+
 # Weights and training state: the run writes weights of its own, and state of another run means nothing here.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz")
 # Written by the run itself, or describing the base rather than the new weights (its model card and scores).
-_NOT_CARRIED = {"config.json", "adapter_config.json", "adapter_record.json", "README.md", "trainer_state.json"}
+_NOT_CARRIED = {"config.json", "adapter_config.json", ADAPTER_RECORD, "README.md", "trainer_state.json"}
 # The only folder a reader of a model needs: the named chat templates transformers 5 and llama.cpp read.
 _CARRIED_FOLDERS = {"additional_chat_templates"}
 # The files a tokenizer is read from; a base with none of them (a hub id not in the cache) is saved instead.

@@ -71,7 +71,7 @@ def _encode_pairs(
         if cfg.invalid != "drop":
             raise
     # data.invalid=drop, for a batch some pair of which was refused: each pair alone, a refused one kept as a
-    # pair not kept, carrying its reason (counted, and stopping the run past data.MAX_INVALID_SHARE).
+    # pair not kept, carrying its reason (counted, and stopping the run past tokenize.MAX_INVALID_SHARE).
     out: dict[str, list] = {key: [] for key in PAIRS}
     for n, index in enumerate(indices):
         try:
@@ -156,7 +156,6 @@ def _encode_texts(
 
 
 _ASSISTANT, _USER = "assistant", "user"
-_role = message_role
 
 
 def _pair_conversations(prompt: Any, chosen: Any, rejected: Any, index: int) -> tuple[list[Any], list[Any]]:
@@ -178,7 +177,7 @@ def _pair_conversations(prompt: Any, chosen: Any, rejected: Any, index: int) -> 
                 f"sample {index}: {side} is text and the other side a list of messages; give both as text or both as "
                 "messages"
             )
-        if _role(turns[-1]) != _ASSISTANT:
+        if message_role(turns[-1]) != _ASSISTANT:
             raise FinetuneError(
                 f"sample {index}: {side} must end with the assistant reply that is preferred or not, got "
                 f"{describe(turns[-1])}; fix or remove the sample"
@@ -207,18 +206,18 @@ def _pair_conversations(prompt: Any, chosen: Any, rejected: Any, index: int) -> 
     elif prompt and chosen[: len(prompt)] == prompt and rejected[: len(prompt)] == prompt:
         chosen, rejected = chosen[len(prompt) :], rejected[len(prompt) :]  # whole conversations with the prompt
     for side, completion in (("chosen", chosen), ("rejected", rejected)):
-        if _role(completion[0]) != _ASSISTANT:
+        if (role := message_role(completion[0])) != _ASSISTANT:
             raise FinetuneError(
                 f"sample {index}: chosen and rejected have different prompts (after the messages both share, {side} "
-                f"goes on with a {_role(completion[0])} turn, not the assistant's reply); a pair must answer the same "
+                f"goes on with a {role} turn, not the assistant's reply); a pair must answer the same "
                 "prompt: fix or remove it"
             )
-    context = [{**m, "weight": 0} if _role(m) == _ASSISTANT and m.get("weight") is None else m for m in prompt]
+    context = [{**m, "weight": 0} if message_role(m) == _ASSISTANT and m.get("weight") is None else m for m in prompt]
     return [*context, *chosen], [*context, *rejected]
 
 
 def _first_user_text(turns: list[Any]) -> str | None:
-    first = next((m for m in turns if _role(m) == _USER), None)
+    first = next((m for m in turns if message_role(m) == _USER), None)
     if first is None:
         return None
     text = first.get("content", first.get("value"))
