@@ -898,3 +898,125 @@ def test_a_turn_closed_by_two_tokens_trains_both_and_its_opening(base_tokenizer)
         "<|START_RESPONSE|>2 1<|END_RESPONSE|><|END_OF_TURN_TOKEN|><|START_RESPONSE|>4 3<|END_RESPONSE|>"
         "<|END_OF_TURN_TOKEN|>"
     )
+
+
+# DeepSeek-R1's: a turn is written as its text or, when it has none, as its calls (never both); after tool results,
+# the template writes the results' closing token where a header would be, as the generation prompt there.
+TEXT_OR_CALLS = r"""{{- bos_token }}{%- set ns = namespace(after_tool=false) %}
+{%- for m in messages %}
+{%- if m.role == 'user' %}{% set ns.after_tool = false %}{{- '<｜User｜>' + m.content }}
+{%- elif m.role == 'assistant' and not m.content %}{% set ns.after_tool = false %}
+{{- '<｜Assistant｜><｜calls｜>' }}
+{%- for tc in m.tool_calls %}{{- '<｜call｜>' + tc.function.name + '\n' + (tc.function.arguments | tojson) }}
+{%- endfor %}
+{{- '<｜/calls｜><｜end｜>' }}
+{%- elif m.role == 'assistant' %}{% set c = m.content %}{% if '</think>' in c %}{% set c = c.split('</think>')[-1] %}
+{%- endif %}
+{%- if ns.after_tool %}{{- '<｜/outputs｜>' + c + '<｜end｜>' }}{% set ns.after_tool = false %}
+{%- else %}{{- '<｜Assistant｜>' + c + '<｜end｜>' }}{% endif %}
+{%- elif m.role == 'tool' %}{% if not ns.after_tool %}{{- '<｜outputs｜>' }}{% endif %}{% set ns.after_tool = true %}
+{{- '<｜output｜>' + m.content }}
+{%- endif %}
+{%- endfor %}
+{%- if ns.after_tool %}{{- '<｜/outputs｜>' }}{% endif %}
+{%- if add_generation_prompt and not ns.after_tool %}{{- '<｜Assistant｜><think>\n' }}{% endif %}"""
+TEXT_OR_CALLS_SPECIALS = ["<｜User｜>", "<｜Assistant｜>", "<｜calls｜>", "<｜call｜>", "<｜/calls｜>",
+                          "<｜outputs｜>", "<｜output｜>", "<｜/outputs｜>", "<think>", "</think>"]  # fmt: skip
+# The same, as DeepSeek-R1's and V3's are published: calls written for a content that `is none`, which transformers
+# never passes (apply_chat_template leaves null keys out).
+CALLS_FOR_NULL_CONTENT = TEXT_OR_CALLS.replace("not m.content", "m.content is none")
+CALL_TURN = '<｜calls｜><｜call｜>get_weather\n{"city": "Paris"}<｜/calls｜><｜end｜>'
+
+
+def test_a_turn_written_as_its_text_or_its_calls_trains_its_calls_and_refuses_text_beside_them(base_tokenizer):
+    tokenizer = template_tokenizer(base_tokenizer, TEXT_OR_CALLS, "<｜end｜>", TEXT_OR_CALLS_SPECIALS)
+    assert encoded_trained(tokenizer, TOOL_CHAT) == CALL_TURN + "It is sunny.<｜end｜>"
+    # Reasoning on the turn of calls: the template writes its text and drops the calls (trained before as "\n\n"
+    # and an end marker, the calls gone): refused, naming why.
+    thinking = [TOOL_CHAT[0], {**TOOL_CHAT[1], "reasoning_content": "Paris is a city."}, *TOOL_CHAT[2:]]
+    with pytest.raises(FinetuneError, match="sample 0, message 1: the chat template writes no tool calls for an "
+                                            "assistant turn that has text"):  # fmt: skip
+        encode_chats([thinking], tokenizer, True)
+
+
+def test_a_template_that_writes_calls_only_for_a_null_content_is_refused_naming_why(base_tokenizer):
+    tokenizer = template_tokenizer(base_tokenizer, CALLS_FOR_NULL_CONTENT, "<｜end｜>", TEXT_OR_CALLS_SPECIALS)
+    with pytest.raises(FinetuneError, match=r"sample 0, message 1: .* only when its content is null .* tests "
+                                            r"`not message.content` instead"):  # fmt: skip
+        encode_chats([TOOL_CHAT], tokenizer, True)
+
+
+def sentencepiece_style(template: str, eos: str, specials: list[str]):
+    """A SentencePiece-style tokenizer ('▁' glued to the next word, as Llama 2's and Mistral's) trained here, with
+    the template's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tokens = ["<unk>", "<|bos|>", eos, *specials]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=tokens, initial_alphabet=list('{}":,_—é\n'))
+    lines = ["Weather and time in Paris? Let me look.", 'get_weather get_time {"city": "Paris"} {"sky": "sunny"}',
+             "It is sunny. Sunny, 9:00 — très beau. reverse: 1 2 and 3 4 swap again tool model user"]  # fmt: skip
+    backend.train_from_iterator(lines * 50, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|bos|>", eos_token=eos,
+                                        unk_token="<unk>", additional_special_tokens=specials)  # fmt: skip
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def trained_characters(tokenizer, messages: list[dict], tools: list | None = None) -> str:
+    """The characters of the trained tokens, read from the rendering by each token's offsets (a SentencePiece-style
+    decoder would respell spaces)."""
+    [(ids, trained)] = encode_chats([messages], tokenizer, True, tools=tools)
+    text = tokenizer.apply_chat_template(messages, tools=json.loads(tools[0]) if tools else None, tokenize=False)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert encoding["input_ids"] == ids
+    characters = set()  # as a set: byte-level BPE splits a character of several bytes over tokens of its own
+    for (start, end), t in zip(encoding["offset_mapping"], trained, strict=True):
+        characters.update(range(start, end) if t else ())
+    return "".join(text[c] for c in sorted(characters))
+
+
+# Each behaviour of #37, on a byte-level BPE and a SentencePiece-style tokenizer alike: template, end marker,
+# special tokens, conversation, tools, and the characters trained.
+BEHAVIOURS = {
+    "wrappers under a prompt that opens reasoning": (
+        FORCED_THINK_TOOLS, "<|im_end|>", ["<|im_start|>", "<think>"], AGENT_CHAT, None,
+        "Let me look." + WRAPPED.format("get_weather") + WRAPPED.format("get_time") + "<|im_end|>"
+        + WRAPPED.format("get_weather") + "<|im_end|>" + " Sunny, 9:00 — très beau.<|im_end|>",
+    ),
+    "a bare </think> in an earlier reply": (
+        BARE_THINK_CLOSE, "<|end|>", ["<|user|>", "<|assistant|>", "<think>", "</think>"],
+        turns(("user", "reverse: 1 2"), ("assistant", "<think>swap</think>2 1"), ("user", "and 3 4"),
+              ("assistant", "<think>swap again</think>4 3")), None,
+        "</think>2 1<|end|>swap again</think>4 3<|end|>",
+    ),
+    "a result that names its call": (
+        NAMED_RESULTS, "<|end|>", ["<|turn|>", "<|tool_call|>", "<|/tool_call|>"], TOOL_CHAT, None,
+        '<|tool_call|>call:get_weather{"city": "Paris"}<|/tool_call|><|end|>It is sunny.<|end|>',
+    ),
+    "a reply wrapped and closed by two tokens": (
+        RESPONSE_WRAPPED, "<|END_OF_TURN_TOKEN|>", ["<|START_OF_TURN_TOKEN|>", "<|SYSTEM_TOKEN|>", "<|USER_TOKEN|>",
+                                                    "<|CHATBOT_TOKEN|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>"],
+        turns(("user", "reverse: 1 2"), ("assistant", "2 1")), [json.dumps([WEATHER])],
+        "<|START_RESPONSE|>2 1<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",
+    ),
+    "a turn of text or calls": (
+        TEXT_OR_CALLS, "<｜end｜>", TEXT_OR_CALLS_SPECIALS, TOOL_CHAT, None, CALL_TURN + "It is sunny.<｜end｜>",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["byte-level BPE", "SentencePiece-style"])
+@pytest.mark.parametrize("behaviour", list(BEHAVIOURS))
+def test_each_template_behaviour_trains_the_same_characters_on_either_kind_of_tokenizer(
+    base_tokenizer, kind, behaviour
+):
+    template, eos, specials, messages, tools, expected = BEHAVIOURS[behaviour]
+    if kind == "byte-level BPE":
+        tokenizer = template_tokenizer(base_tokenizer, template, eos, specials)
+    else:
+        tokenizer = sentencepiece_style(template, eos, specials)
+    assert trained_characters(tokenizer, messages, tools) == expected

@@ -516,10 +516,30 @@ class _Chat:
                 add_generation_prompt=generation,
             )  # fmt: skip
         except Exception as exc:  # templates raise jinja2 errors, or their own via raise_exception
+            self._check_call_turns(self.messages if messages is None else messages)
             raise FinetuneError(
                 f"sample {self.index}: the tokenizer's chat template refuses it ({first_line(exc)}); fix or remove "
                 "the sample"
             ) from None
+
+    def _check_call_turns(self, messages: list[dict[str, Any]]) -> None:
+        """Name the cause where a template refuses a turn of tool calls without text because it writes calls only
+        for a null content (DeepSeek-R1's and V3's test `content is none`, then fail on a missing one): transformers
+        leaves null keys out of what a template sees, so no data can give such a turn its calls."""
+        bare = [n for n, message in enumerate(messages) if message.get("tool_calls") and "content" not in message]
+        if not bare:
+            return
+        filled = [{**message, "content": ""} if n in bare else message for n, message in enumerate(messages)]
+        try:
+            self.tokenizer.apply_chat_template(filled, tools=self.tools, tokenize=False)
+        except Exception:  # refused for another reason: the caller names the template's own error
+            return
+        raise FinetuneError(
+            f"sample {self.index}, message {bare[0]}: the chat template writes a turn's tool calls only when its "
+            "content is null (it tests `content is none`), and transformers leaves null keys out of what a template "
+            "sees, so this turn's calls cannot be rendered; set data.chat_template to a template that tests "
+            "`not message.content` instead"
+        )
 
     def up_to(self, i: int) -> _Chat:
         return dataclasses.replace(self, messages=self.messages[: i + 1])
@@ -945,6 +965,7 @@ def _reply_spans(
     inside them, or None when the template's rendering does not let them be located (see `render_chats`)."""
     placeholders = list(chat.messages)
     names = {}  # reply -> the call name its placeholder stands for (a reply of tool calls only)
+    calls = {}  # reply -> the name of the first call of a reply with text and calls, and the placeholder in its place
     for k, i in enumerate(trained):
         replaced = _with_placeholder(chat.messages[i], _SENTINEL.format(k))
         if replaced is None:
@@ -952,10 +973,23 @@ def _reply_spans(
         message = replaced[0]
         if not chat.messages[i].get("content"):
             names[k] = replaced[1]
+        elif message.get("tool_calls") and (named := _with_placeholder({"tool_calls": message["tool_calls"]},
+                                                                       _SENTINEL.format(f"n{k}"))):  # fmt: skip
+            message = {**message, "tool_calls": named[0]["tool_calls"]}
+            calls[k] = named[1], _SENTINEL.format(f"n{k}")
         if (field := _reasoning_of(message)) is not None:
             message = {**message, field: _SENTINEL.format(f"r{k}")}
         placeholders[i] = message
     marked = chat.render(placeholders)
+    for k, (name, placeholder) in calls.items():
+        if placeholder not in marked:
+            raise FinetuneError(
+                f"sample {chat.index}, message {trained[k]}: the chat template writes no tool calls for an assistant "
+                "turn that has text (its reasoning or words before the calls), so this turn's calls would be neither "
+                "seen nor trained; move that text to a turn of its own, or set data.chat_template to a template that "
+                "renders both"
+            )
+        marked = marked.replace(placeholder, name)
     for k, name in names.items():
         # Templates that name the call again in its result's header (harmony's `functions.get_weather to=...`,
         # gemma-4's): the first place is the call's; the later ones are template text, the name as written.
