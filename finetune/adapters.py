@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,11 +25,19 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from transformers import PreTrainedModel
 
-from finetune.checkpoint import ADAPTER_RECORD, ADAPTER_STATE, MODEL_FILES
-from finetune.config import PeftConfig
+from finetune.checkpoint import (
+    ADAPTER_RECORD,
+    ADAPTER_STATE,
+    MODEL_FILES,
+    check_resume_base,
+    check_resume_kind,
+)
+from finetune.config import PeftConfig, RecipeConfig
 from finetune.distributed import compute_dtype
 from finetune.errors import FinetuneError, first_line
 from finetune.family import experts_of, is_routed_expert
+from finetune.launch import ASYNC_SAVE_NEEDS
+from finetune.model import DTYPES, base_fingerprint, check_quantized_base, model_folder
 
 ADAPTER_CONFIG = "adapter_config.json"
 _TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
@@ -306,3 +315,61 @@ def load_adapter_state(accelerator: Accelerator, model: torch.nn.Module, optimiz
         options=_SET_TRAINABLE,
     )  # fmt: skip
     load_accelerator_state(str(folder), [], [], [], accelerator._dataloaders, accelerator.process_index)
+
+
+class AdapterWeights:
+    """Adapters (LoRA, DoRA; on a 4-bit base for QLoRA) train on a frozen base: `finetune.weights.Weights` for a
+    recipe with a `peft` section. Checkpoints hold the adapters' state only; the export, the adapter (`record`)."""
+
+    trains_adapters = True
+
+    def __init__(self, recipe: RecipeConfig):
+        self.recipe, self.cfg = recipe, recipe.peft
+        self.quantization = self.cfg.quantization if self.cfg.quantization != "none" else None
+        self.expert_key = (
+            "peft.target_experts" if self.cfg.target_experts
+            else "peft.target_parameters" if self.cfg.target_parameters else None
+        )  # fmt: skip
+        self.record: dict[str, Any] | None = None
+
+    def preflight(self) -> None:
+        check_quantized_base(self.recipe.model, adapters=True, export_merged=self.recipe.output.export_merged)
+
+    def check_resume(self, resume_from: Path) -> None:
+        check_resume_kind(resume_from, adapters=True)
+        check_resume_adapters(resume_from, self.cfg)
+        self._check_resume_base(resume_from)
+
+    def load_quantization(self, accelerator: Accelerator) -> Any:
+        if self.quantization is None:
+            return None
+        return quantization_config(storage_dtype(DTYPES[self.recipe.model.dtype], str(accelerator.mixed_precision)))
+
+    def prepare(self, model: torch.nn.Module, resume_from: Path | None) -> torch.nn.Module:
+        model = add_adapters(model, self.cfg)
+        # Checked again now that a hub base is surely in the cache (preflight may have run before it was).
+        base = base_fingerprint(self.recipe.model.name_or_path)
+        if resume_from is not None:
+            self._check_resume_base(resume_from)
+        self.record = {**adapter_record(model), "base": base, "settings": dataclasses.asdict(self.cfg)}
+        return model
+
+    def _check_resume_base(self, resume_from: Path) -> None:
+        name = self.recipe.model.name_or_path
+        check_resume_base(resume_from, name, model_folder(name))
+
+    def state_io(
+        self, accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, async_save: bool
+    ) -> tuple[Any, Any]:
+        if async_save:  # launch.environment_problems refuses it before loading; this says so at any call
+            raise FinetuneError(ASYNC_SAVE_NEEDS)
+        return (
+            functools.partial(save_adapter_state, accelerator, model, optimizer),
+            functools.partial(load_adapter_state, accelerator, model, optimizer),
+        )
+
+    def precision_line(self, accelerator: Accelerator, model: torch.nn.Module) -> str:
+        return adapter_precision(model, accelerator.mixed_precision)
+
+    def describe(self, model: torch.nn.Module) -> str:
+        return describe_adapters(model)

@@ -13,6 +13,7 @@ dies halfway never looks complete and never replaces the previous checkpoint.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from finetune.config import RecipeConfig, save_recipe
 from finetune.errors import FinetuneError, first_line
+from finetune.launch import ASYNC_SAVE_NEEDS
 
 logger = logging.getLogger("finetune")
 
@@ -306,6 +308,19 @@ def _write_errors(final: Path, output_dir: Path) -> Iterator[None]:
         ) from None
 
 
+def async_saver(
+    accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> Callable[[Path], list[Future]]:
+    """checkpoint.async_save: DCP's asynchronous save of accelerate's SHARDED layout, over gloo groups of its
+    own (created here, on every rank): its background threads never share a group with training or each other."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    sharded = plugin is not None and plugin.fsdp_version == 2 and plugin.state_dict_type.name == "SHARDED_STATE_DICT"
+    if not sharded:
+        raise FinetuneError(ASYNC_SAVE_NEEDS)
+    groups = (torch.distributed.new_group(backend="gloo"), torch.distributed.new_group(backend="gloo"))
+    return functools.partial(async_save_state, accelerator, model, optimizer, groups)
+
+
 def async_save_state(
     accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, groups: tuple[Any, Any], folder: Path
 ) -> list[Future]:
@@ -364,14 +379,13 @@ def check_resume_strategy(path: Path, fsdp: bool) -> None:
 
 
 def check_resume_objective(path: Path, objective: str) -> None:
-    """A checkpoint resumes only a run of its own objective: preference tuning after a supervised run starts
-    from that run's export, with a fresh optimizer, not from its checkpoint."""
+    """A checkpoint resumes only a run of its own objective: preference tuning after a supervised run (any
+    objective after another) starts from that run's export, with a fresh optimizer, not from its checkpoint."""
     saved = json.loads((path / STATE_FILE).read_text()).get("objective", "supervised")
     if saved != objective:
         raise FinetuneError(
-            f"checkpoint {path} is of a {saved} run, and this recipe trains {objective}; to preference-tune after "
-            "supervised fine-tuning, point model.name_or_path at that run's export (<output.dir>/final) and use a "
-            "new output.dir"
+            f"checkpoint {path} is of a {saved} run, and this recipe trains {objective}; to train {objective} after "
+            f"{saved}, point model.name_or_path at that run's export (<output.dir>/final) and use a new output.dir"
         )
 
 

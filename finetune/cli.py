@@ -104,9 +104,9 @@ def _train(recipe_path: str, overrides: list[str]) -> None:
     use_expandable_segments(os.environ)
     from finetune.distributed import shutdown
     from finetune.export import export_checkpoint
-    from finetune.loop import preflight, train
     from finetune.model import DTYPES
     from finetune.outputs import run_lock
+    from finetune.train import preflight, train
 
     resume_from = preflight(recipe)
     # The main process owns output.dir until its export is written: a second run into it is refused.

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -283,6 +284,11 @@ class TrainConfig:
     (`finetune.routing`); unset: the model config's own coefficient (none for a dense model or one that
     routes without it); 0 turns it off."""
 
+    objective: str | None = None
+    """An objective of your own, as `module:attribute`: a callable taking the recipe and returning a
+    `finetune.objectives.ObjectiveBuilder`; unset: supervised fine-tuning, or preference tuning with a
+    `preference` section."""
+
     @property
     def checkpointing(self) -> Literal["none", "full", "selective", "auto"]:
         """`activation_checkpointing` as a policy (or `auto`, which training resolves): true is full, false none."""
@@ -530,6 +536,11 @@ class RecipeConfig:
             )
         if self.peft is None and self.output.export_merged:
             errors.append("output.export_merged applies to adapter runs (a peft section); remove it")
+        objective = self.train.objective
+        if objective is not None and not re.fullmatch(r"[\w.]+:[\w.]+", objective):
+            errors.append(f"train.objective={objective} is not module:attribute (e.g. mypackage.losses:Weighted)")
+        if objective is not None and self.preference is not None:
+            errors.append("train.objective names an objective of its own; remove it or the preference section")
         if self.preference is None and self.data.format == "preference":
             errors.append("data.format=preference trains on pairs: add a preference section, e.g. preference.loss=dpo")
         if self.preference is not None and self.data.format not in ("auto", "preference"):

@@ -24,6 +24,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -47,6 +48,9 @@ from finetune.checkpoint import (
 from finetune.errors import FinetuneError, first_line
 from finetune.family import HubLayout
 from finetune.outputs import export_lock
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 # Wrapper prefixes that FSDP1, activation checkpointing, torch.compile and DDP add to parameter names.
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -553,3 +557,22 @@ def _clean(name: str) -> str:
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name.removeprefix("module.")
+
+
+FINAL_LOGITS = "final_logits.safetensors"
+
+
+@torch.no_grad()
+def save_final_logits(model: torch.nn.Module, accelerator: Accelerator, path: Path) -> None:
+    """Logits of the trained model on a fixed token sequence (collective forward; the main process
+    writes them): any reload of the exported model must reproduce them."""
+    from finetune.wrap import reshard  # the training side's; an export alone never loads it
+
+    vocab_size = accelerator.unwrap_model(model).config.get_text_config().vocab_size
+    input_ids = torch.randint(0, vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    logits = model(input_ids=input_ids.to(accelerator.device), use_cache=False).logits
+    reshard(model)
+    model.train()
+    if accelerator.is_main_process:
+        save_file({"input_ids": input_ids, "logits": logits.float().cpu().contiguous()}, path)

@@ -21,6 +21,11 @@ from finetune.errors import FinetuneError, first_line
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "ddp")
 
+ASYNC_SAVE_NEEDS = (
+    "checkpoint.async_save needs full fine-tuning under FSDP2 with fsdp_state_dict_type: SHARDED_STATE_DICT "
+    "(e.g. accelerate_configs/fsdp2_full_shard.yaml); set checkpoint.async_save=false for this launch"
+)
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -265,10 +270,7 @@ def recipe_launch_problems(
         )
     sharded = fsdp_version == 2 and state_dict_type.upper() == "SHARDED_STATE_DICT"
     if recipe.checkpoint.async_save and (not sharded or recipe.peft is not None):
-        problems.append(
-            "checkpoint.async_save needs full fine-tuning under FSDP2 with fsdp_state_dict_type: SHARDED_STATE_DICT "
-            "(e.g. accelerate_configs/fsdp2_full_shard.yaml); set checkpoint.async_save=false for this launch"
-        )
+        problems.append(ASYNC_SAVE_NEEDS)
     return problems
 
 

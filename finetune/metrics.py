@@ -24,8 +24,11 @@ class MetricsLogger:
         max_steps: int,
         tracker_config: dict[str, Any],
         trackers: list[str],
+        progress: str | None = None,
     ):
+        """`progress`: the metric the progress bar shows beside the loss (`Objective.progress_name`), if any."""
         self.accelerator = accelerator
+        self.progress = progress
         self.max_steps = max_steps
         self.enabled = accelerator.is_main_process
         self.path = output_dir / "metrics.jsonl"
@@ -41,8 +44,8 @@ class MetricsLogger:
             f.write(json_line({"step": step, **metrics}) + "\n")
         if "loss" in metrics:
             shown = {"loss": f"{metrics['loss']:.4f}"}
-            if "rewards/accuracies" in metrics:  # preference tuning: how often the chosen reply wins
-                shown["acc"] = f"{metrics['rewards/accuracies']:.2f}"
+            if self.progress in metrics:
+                shown[self.progress.rsplit("/", 1)[-1]] = f"{metrics[self.progress]:.2f}"
             shown |= {"lr": f"{metrics['lr']:.2e}", "tok_s": f"{metrics['tokens_per_second']:.0f}"}
             self.bar.set_postfix(shown)
 

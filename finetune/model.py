@@ -67,6 +67,14 @@ def model_folder(name_or_path: str) -> Path | None:
         return None
 
 
+def base_fingerprint(name_or_path: str) -> str | None:
+    """The `fingerprint.weights_fingerprint` of a base model, None while a hub model is not cached yet."""
+    from finetune.fingerprint import weights_fingerprint
+
+    folder = model_folder(name_or_path)
+    return weights_fingerprint(folder) if folder is not None else None
+
+
 # Attention kernels that come from a package of their own, and the module that package installs.
 _KERNEL_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"), "flash_attention_3": ("flash_attn_interface",
                     "flash-attn 3 (its hopper/ build)")}  # fmt: skip

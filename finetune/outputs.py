@@ -13,13 +13,20 @@ import contextlib
 import fcntl
 import json
 import os
+import secrets
 import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
 
 from finetune.checkpoint import checkpoint_problem, checkpoints_root, complete_checkpoints, step_of
 from finetune.errors import FinetuneError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 LOCK = ".finetune.lock"
 # Everything a run writes into output.dir. A fresh run removes these and nothing else, so a run
@@ -178,3 +185,26 @@ def _step_of_line(line: str) -> int:
         return int(json.loads(line)["step"])
     except (ValueError, KeyError, TypeError):
         return 1 << 62  # a damaged line is dropped with the steps trained again
+
+
+def check_shared_output_dir(output_dir: Path, accelerator: Accelerator) -> None:
+    """Every rank must see the same output dir: a checkpoint is written by all ranks together, and a
+    machine writing its shards to a local disk would leave checkpoints that no one can resume or export."""
+    from accelerate.utils import broadcast_object_list
+
+    marker = output_dir / ".shared-check"
+    token = [secrets.token_hex(8) if accelerator.is_main_process else None]
+    if accelerator.is_main_process:
+        marker.write_text(token[0])
+    broadcast_object_list(token)  # also the barrier after rank 0 wrote the marker
+    sees = marker.is_file() and marker.read_text() == token[0]
+    blind = accelerator.gather(torch.tensor([0 if sees else 1], device=accelerator.device))
+    if accelerator.is_main_process:
+        marker.unlink()
+    if blind.any():
+        ranks = ", ".join(str(rank) for rank in blind.nonzero().flatten().tolist())
+        raise FinetuneError(
+            f"output.dir {output_dir} is not the same folder on every machine: rank(s) {ranks} cannot see what rank 0 "
+            "wrote there. Put output.dir on a filesystem that all machines share (NFS, Lustre, ...), so that every "
+            "checkpoint holds the shards of all ranks"
+        )

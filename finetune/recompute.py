@@ -14,10 +14,15 @@ which replays the random state, so a model trained with dropout recomputes the s
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from finetune.config import RecipeConfig
 
 Policy = Literal["none", "full", "selective"]
 
@@ -40,3 +45,35 @@ def checkpoint_kwargs(policy: Policy) -> dict[str, Any]:
     if policy == "selective":
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls_and_attention)
     return kwargs
+
+
+_RECOMPUTED = {
+    "none": "every activation kept, nothing recomputed",
+    "full": "each decoder layer keeps its input and recomputes its forward in backward",
+    "selective": "decoder layers keep matmul and attention outputs and recompute the rest",
+}
+
+
+def checkpointing_policy(recipe: RecipeConfig, accelerator: Accelerator) -> tuple[Policy, str | None]:
+    """The recipe's activation-checkpointing policy, `auto` resolved by the plan's estimate against this
+    device's memory (`finetune.plan.cheapest_policy`), and its log line (None for none, asked for)."""
+    requested = recipe.train.checkpointing
+    if requested != "auto":
+        return (
+            requested,
+            f"activation checkpointing: {requested} ({_RECOMPUTED[requested]})" if requested != "none" else None,
+        )
+    # Imported here: the planner imports the model module, which imports this one.
+    from finetune.distributed import running_launch
+    from finetune.plan import cheapest_policy, estimate, model_shape, planned_model
+
+    cuda = accelerator.device.type == "cuda"
+    memory = torch.cuda.get_device_properties(accelerator.device).total_memory if cuda else None
+    launch = running_launch(accelerator)
+    policy = cheapest_policy(estimate(model_shape(planned_model(recipe)), recipe, launch, launch.strategy), memory)
+    reason = (
+        f"the first that the plan fits in {memory / 2**30:.1f} GiB"
+        if memory
+        else f"{accelerator.device.type}: no device memory to fit"
+    )
+    return policy, f"activation checkpointing: auto, so {policy} ({reason}; {_RECOMPUTED[policy]})"

@@ -123,11 +123,11 @@ def test_asynchronous_saves_write_the_same_checkpoints_and_resume_exactly(uninte
 def test_asynchronous_saves_need_sharded_fsdp2():
     from types import SimpleNamespace
 
-    from finetune.loop import _async_saver
+    from finetune.checkpoint import async_saver
 
     ddp = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=None))
     with pytest.raises(FinetuneError, match="checkpoint.async_save needs full fine-tuning under FSDP2 with"):
-        _async_saver(ddp, None, None, adapters=False)
+        async_saver(ddp, None, None)
 
 
 def test_full_state_dict_checkpoint_resumes_on_one_process(uninterrupted, demo_assets, tmp_path_factory):

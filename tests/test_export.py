@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from finetune.checkpoint import MARKER, MODEL_FILES, TENSOR_NAMES
-from finetune.loop import FINAL_LOGITS
+from finetune.export import FINAL_LOGITS
 
 pytestmark = pytest.mark.multiprocess
 

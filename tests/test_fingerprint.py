@@ -10,7 +10,7 @@ from conftest import DEMO_RECIPE, flip_one_weight_between_samples
 from finetune import fingerprint
 from finetune.config import load_recipe
 from finetune.fingerprint import file_digest, matches, sampled_fingerprint, weights_fingerprint
-from finetune.loop import _base_fingerprint
+from finetune.model import base_fingerprint
 from finetune.reference import reference_key
 
 
@@ -26,9 +26,9 @@ def test_a_preference_runs_reference_cache_is_keyed_by_every_byte_of_its_base(de
     """A base re-exported in place by the next SFT run has other reference log-probabilities: another key."""
     base = shutil.copytree(demo_assets / "base", tmp_path / "base")
     recipe = load_recipe(DEMO_RECIPE, [f"model.name_or_path={base}"])
-    key = reference_key(_base_fingerprint(recipe), [], "float32")
+    key = reference_key(base_fingerprint(recipe.model.name_or_path), [], "float32")
     flip_one_weight_between_samples(base / "model.safetensors")
-    assert reference_key(_base_fingerprint(recipe), [], "float32") != key
+    assert reference_key(base_fingerprint(recipe.model.name_or_path), [], "float32") != key
 
 
 def test_each_file_is_hashed_once_per_version(demo_assets, tmp_path, monkeypatch):

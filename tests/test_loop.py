@@ -79,16 +79,16 @@ def test_update_is_the_gradient_of_the_per_token_mean(model):
 def test_epochs_become_steps_and_too_little_data_is_an_error():
     from conftest import DEMO_RECIPE
 
+    from finetune.build import max_steps_of
     from finetune.config import load_recipe
     from finetune.errors import FinetuneError
-    from finetune.loop import _max_steps
 
     by_epochs = load_recipe(
         DEMO_RECIPE, ["train.max_steps=null", "train.num_epochs=1.5", "train.gradient_accumulation_steps=2"]
     )
-    assert _max_steps(by_epochs, list(range(10))) == 8  # 5 steps per epoch
+    assert max_steps_of(by_epochs, list(range(10))) == 8  # 5 steps per epoch
     with pytest.raises(FinetuneError, match="fewer than train.gradient_accumulation_steps=2; add data or lower it"):
-        _max_steps(by_epochs, [0])
+        max_steps_of(by_epochs, [0])
 
 
 # ---- The step's host synchronizations: a GPU runs ahead of the host only if the host never waits for it.

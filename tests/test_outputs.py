@@ -13,11 +13,11 @@ import pytest
 from conftest import DEMO_RECIPE
 
 from finetune import export as export_module
+from finetune.build import preflight
 from finetune.checkpoint import MARKER, checkpoint_problem, complete_checkpoints, resolve_resume
 from finetune.config import load_recipe
 from finetune.errors import FinetuneError
 from finetune.export import export_checkpoint
-from finetune.loop import preflight
 from finetune.outputs import claim_output_dir, export_lock, run_lock
 
 pytestmark = pytest.mark.multiprocess  # the finished runs they damage come from real launches

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import datasets
 import numpy
@@ -29,8 +29,16 @@ from finetune.chatter import no_datasets_bars
 from finetune.config import DataConfig, SourceConfig
 from finetune.data.chat import encode_chats
 from finetune.data.pack import WINDOW, collate_packed, collate_padded, pack
-from finetune.data.preference import PairStats, collate_pairs, prepare_pairs
-from finetune.data.sources import check_sources, hold_out, load_source, load_split, numbered, take_fraction
+from finetune.data.preference import PairStats
+from finetune.data.sources import (
+    check_sources,
+    hold_out,
+    load_source,
+    load_split,
+    numbered,
+    source_name,
+    take_fraction,
+)
 from finetune.data.tokenize import IGNORE, check_invalid_share, detect_format, tokenize
 from finetune.distributed import main_process_first
 from finetune.errors import FinetuneError
@@ -103,10 +111,10 @@ def prepare_split(
     train on, mix, and pack (after a seeded shuffle) if asked."""
     parts = raw if isinstance(raw, list) else [(None, raw)]
     tokenized = [
-        (source, tokenize(dataset, tokenizer, cfg, _where(source, cfg, evaluation))) for source, dataset in parts
+        (source, tokenize(dataset, tokenizer, cfg, source_name(source, cfg, evaluation))) for source, dataset in parts
     ]
     for source, part in tokenized if cfg.invalid == "drop" else ():
-        check_invalid_share(part, _where(source, cfg, evaluation) or "the data")
+        check_invalid_share(part, source_name(source, cfg, evaluation) or "the data")
     every = tokenized[0][1] if len(tokenized) == 1 else datasets.concatenate_datasets([t for _, t in tokenized])
     with no_datasets_bars():
         kept = every.filter(lambda counts: [n > 0 for n in counts], input_columns="num_targets", batched=True)
@@ -150,15 +158,6 @@ def eval_subset(
     return subset
 
 
-def _where(source: SourceConfig | None, cfg: DataConfig, evaluation: bool = False) -> str | None:
-    """How data errors name a source: the recipe key that holds it, and whether it is evaluation data."""
-    if source is None:
-        return None
-    if evaluation:
-        return f"data.eval_path {source.path}" if cfg.eval_path else f"held-out eval samples of {source.path}"
-    return f"data.train source {source.path}" if cfg.train is not None else f"data.train_path {source.path}"
-
-
 def _stats(tokenized: datasets.Dataset, cfg: DataConfig) -> DataStats:
     """Counted in Arrow, without turning every sample into Python lists."""
     table = tokenized.with_format("arrow")[:]
@@ -185,6 +184,52 @@ def _stats(tokenized: datasets.Dataset, cfg: DataConfig) -> DataStats:
         num_reasoning_tokens=int(pyarrow.compute.sum(table["num_reasoning"]).as_py() or 0),
         reasoning_trained=cfg.train_on_reasoning,
     )
+
+
+class Samples(Protocol):
+    """What an objective trains on, as `build_data` reads, tokenizes and batches it: sequences (`SEQUENCES`), or
+    an objective's own (`finetune.data.preference.PAIR_SAMPLES`)."""
+
+    numbered: bool
+    """Whether train and eval samples are numbered in one range and kept (`Data.splits`): an objective looks
+    something up by that number (a precomputed reference)."""
+
+    def prepare(
+        self,
+        parts: list[tuple[SourceConfig, datasets.Dataset]],
+        tokenizer: PreTrainedTokenizerBase,
+        cfg: DataConfig,
+        seed: int,
+        evaluation: bool = False,
+        first_index: int = 0,
+    ) -> tuple[datasets.Dataset, Any]:
+        """The rows of these sources, and their stats (with `describe(split)` for the log)."""
+        ...
+
+    def collate(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Callable[[list[dict]], dict]: ...
+
+
+class Sequences:
+    """Token sequences with their trained targets: chat, prompt/completion or text, packed or padded."""
+
+    numbered = False
+
+    def prepare(
+        self,
+        parts: list[tuple[SourceConfig, datasets.Dataset]],
+        tokenizer: PreTrainedTokenizerBase,
+        cfg: DataConfig,
+        seed: int,
+        evaluation: bool = False,
+        first_index: int = 0,
+    ) -> tuple[datasets.Dataset, DataStats]:
+        return prepare_split(parts, tokenizer, cfg, seed, evaluation=evaluation)
+
+    def collate(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Callable[[list[dict]], dict]:
+        return collate_packed if cfg.packing else functools.partial(collate_padded, pad_id=tokenizer.pad_token_id)
+
+
+SEQUENCES = Sequences()
 
 
 @dataclass
@@ -214,10 +259,11 @@ def build_data(
     *,
     seed: int,
     micro_batch_size: int,
-    preference: bool = False,
+    samples: Samples | None = None,
 ) -> Data:
-    """Train and eval dataloaders (not yet prepared). The main process tokenizes first; the others hit its cache.
-    `preference`: the samples are chosen/rejected pairs, batched a micro-batch of pairs at a time."""
+    """Train and eval dataloaders (not yet prepared) of the objective's `samples` (sequences unless named). The
+    main process tokenizes first; the others hit its cache."""
+    samples = samples if samples is not None else SEQUENCES
 
     def load_and_prepare():
         train_raw = [(source, load_source(source)) for source in cfg.sources()]
@@ -227,20 +273,16 @@ def build_data(
         elif cfg.eval_fraction > 0:
             eval_raw = []
             for i, (source, dataset) in enumerate(train_raw):  # the same fraction of every source
-                train_part, held_out = hold_out(dataset, cfg.eval_fraction, seed, _where(source, cfg))
+                train_part, held_out = hold_out(dataset, cfg.eval_fraction, seed, source_name(source, cfg))
                 train_raw[i] = (source, train_part)
                 eval_raw.append((source, held_out))
         train_raw = [(source, take_fraction(dataset, source, seed)) for source, dataset in train_raw]
         if eval_raw and cfg.eval_samples is not None:
             eval_raw = eval_subset(eval_raw, cfg.eval_samples, seed)
-        if preference:
-            train = prepare_pairs(train_raw, tokenizer, cfg, [_where(source, cfg) for source, _ in train_raw])
-            if not eval_raw:
-                return train, (None, None)
-            wheres = [_where(source, cfg, evaluation=True) for source, _ in eval_raw]
-            return train, prepare_pairs(eval_raw, tokenizer, cfg, wheres, first_index=len(train[0]))
-        train = prepare_split(train_raw, tokenizer, cfg, seed)
-        return train, prepare_split(eval_raw, tokenizer, cfg, seed, evaluation=True) if eval_raw else (None, None)
+        train = samples.prepare(train_raw, tokenizer, cfg, seed)
+        if not eval_raw:
+            return train, (None, None)
+        return train, samples.prepare(eval_raw, tokenizer, cfg, seed, evaluation=True, first_index=len(train[0]))
 
     (train_rows, train_stats), (eval_rows, eval_stats) = main_process_first(accelerator, load_and_prepare)
     needed = micro_batch_size * accelerator.num_processes
@@ -254,14 +296,7 @@ def build_data(
             f"the training data yields {len(train_rows)} rows but one step needs micro_batch_size x processes = "
             f"{needed}{held_out}; add data or lower train.micro_batch_size"
         )
-    if preference:
-        collate = functools.partial(
-            collate_pairs, max_length=cfg.max_length, pad_id=tokenizer.pad_token_id, packing=cfg.packing
-        )
-    elif cfg.packing:
-        collate = collate_packed
-    else:
-        collate = functools.partial(collate_padded, pad_id=tokenizer.pad_token_id)
+    collate = samples.collate(cfg, tokenizer)
     feeding = loader_options(accelerator.device)
     train_loader = DataLoader(
         train_rows,
@@ -275,5 +310,5 @@ def build_data(
     eval_loader = None
     if eval_rows is not None and len(eval_rows) > 0:
         eval_loader = DataLoader(eval_rows, batch_size=micro_batch_size, collate_fn=collate, **feeding)
-    splits = [split for split in (train_rows, eval_rows) if split is not None] if preference else []
+    splits = [split for split in (train_rows, eval_rows) if split is not None] if samples.numbered else []
     return Data(train_loader, eval_loader, train_stats, eval_stats, splits, collate)

@@ -28,7 +28,7 @@ from finetune.chatter import no_datasets_bars
 from finetune.config import DataConfig
 from finetune.data.chat import describe, encode_rendered, message_role, render_chats
 from finetune.data.pack import with_host_indices
-from finetune.data.sources import SAMPLE_INDEX
+from finetune.data.sources import SAMPLE_INDEX, source_name
 from finetune.data.tokenize import IGNORE, check_invalid_share, encode_prompt_completions, map_processes
 from finetune.errors import FinetuneError
 
@@ -391,3 +391,29 @@ def collate_pairs(
     else:
         batch["attention_mask"] = torch.tensor(attention_mask)
     return with_host_indices(batch)
+
+
+class Pairs:
+    """Preference pairs (`finetune.data.Samples`): each pair's chosen and rejected sequences batched together,
+    numbered across train and eval for a precomputed reference."""
+
+    numbered = True
+
+    def prepare(
+        self,
+        parts: list[tuple[Any, datasets.Dataset]],
+        tokenizer: PreTrainedTokenizerBase,
+        cfg: DataConfig,
+        seed: int,
+        evaluation: bool = False,
+        first_index: int = 0,
+    ) -> tuple[datasets.Dataset, PairStats]:
+        wheres = [source_name(source, cfg, evaluation) for source, _ in parts]
+        return prepare_pairs(parts, tokenizer, cfg, wheres, first_index=first_index)
+
+    def collate(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
+        return functools.partial(collate_pairs, max_length=cfg.max_length, pad_id=tokenizer.pad_token_id,
+                                 packing=cfg.packing)  # fmt: skip
+
+
+PAIR_SAMPLES = Pairs()

@@ -195,3 +195,12 @@ def _locate_problem(path: Path) -> str | None:
                 except ValueError as exc:
                     return f"{file}:{number}: not a JSON object ({exc})"
     return None
+
+
+def source_name(source: SourceConfig | None, cfg: DataConfig, evaluation: bool = False) -> str | None:
+    """How data errors name a source: the recipe key that holds it, and whether it is evaluation data."""
+    if source is None:
+        return None
+    if evaluation:
+        return f"data.eval_path {source.path}" if cfg.eval_path else f"held-out eval samples of {source.path}"
+    return f"data.train source {source.path}" if cfg.train is not None else f"data.train_path {source.path}"

@@ -9,23 +9,42 @@ micro-batch with the metrics it logs, and evaluation. The loop asks it and never
     evaluate(...)       -> the eval metrics over a whole loader, each unit counted once
     periodic_metrics()  -> what it gathered between logs (a mixture of experts' load per layer), or {}
 
+Before it exists, the build asks its builder (`objective_for`, chosen once from the recipe) what the objective
+trains on (its samples and their batching), how the model is prepared for it (dropout off for preference
+tuning), its name (stored in checkpoints) and unit noun (the log's batch line), and then builds it from the
+prepared run (`BuildContext`): a reference model or a precomputed reference table is the builder's business.
+A new objective is a module here with both; a recipe names one of its own with `train.objective`.
+
 Normalization is the loop's: a step minimizes (sum of unit losses) / (units in the whole step, over
 all micro-batches and processes), so any split of the same global batch gives the same update.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
+from finetune.config import RecipeConfig
+from finetune.errors import FinetuneError, first_line
 from finetune.objectives.balanced import Balanced
-from finetune.objectives.preference import Preference
-from finetune.objectives.supervised import Supervised
+from finetune.objectives.preference import Preference, PreferenceBuilder
+from finetune.objectives.supervised import Supervised, SupervisedBuilder
 
-__all__ = ["Balanced", "Objective", "Preference", "Supervised"]
+if TYPE_CHECKING:
+    from finetune.data import Data, Samples
+    from finetune.loss import LossPath
+    from finetune.weights import Weights
+
+__all__ = [
+    "Balanced", "BuildContext", "Objective", "ObjectiveBuilder", "Preference", "Supervised", "objective_for",
+]  # fmt: skip
 
 
 class Objective(Protocol):
@@ -46,3 +65,59 @@ class Objective(Protocol):
         """What the objective gathered since the last log (a collective: every process calls it), logged with
         the step's metrics; {} for objectives that gather nothing between logs."""
         ...
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What an objective is built from: the run as built and prepared (model sharded, data loaded)."""
+
+    recipe: RecipeConfig
+    accelerator: Accelerator
+    model: torch.nn.Module
+    data: Data
+    loss_path: LossPath
+    weights: Weights
+    resume_from: Path | None
+
+
+class ObjectiveBuilder(Protocol):
+    name: str
+    """Stored in every checkpoint: a run resumes under the objective it trained with only."""
+    unit_noun: str
+    """What a row of a micro-batch is, in the log's batch line: sequences, pairs."""
+    samples: Samples
+    """What it trains on, as `finetune.data.build_data` reads, tokenizes and batches it."""
+    reference_model: str | None
+    """A second model it loads (checked with the tokenizer before any weight loads), or None."""
+
+    def prepare_model(self, model: torch.nn.Module, accelerator: Accelerator) -> None:
+        """Anything the objective needs of the model before it is sharded."""
+        ...
+
+    def build(self, context: BuildContext) -> tuple[Objective, Callable[[], None]]:
+        """The objective, and what writes its files into the output dir once that is claimed (main process)."""
+        ...
+
+
+def objective_for(recipe: RecipeConfig) -> ObjectiveBuilder:
+    """The recipe's objective: `train.objective` (a `module:attribute` taking the recipe and returning an
+    ObjectiveBuilder), else preference tuning with a `preference` section, else supervised fine-tuning."""
+    if recipe.train.objective is not None:
+        return _imported(recipe.train.objective)(recipe)
+    if recipe.preference is not None:
+        return PreferenceBuilder(recipe.preference)
+    return SupervisedBuilder()
+
+
+def _imported(name: str) -> Callable[[RecipeConfig], ObjectiveBuilder]:
+    module, _, attribute = name.partition(":")
+    try:
+        found = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise FinetuneError(
+            f"train.objective={name} cannot be imported ({first_line(exc)}); name a module on the Python path and "
+            "a callable in it as module:attribute"
+        ) from None
+    if not callable(found):
+        raise FinetuneError(f"train.objective={name} is not callable; name a function or class as module:attribute")
+    return found

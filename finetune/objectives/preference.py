@@ -17,17 +17,39 @@ average log-probability for SimPO and ORPO, as TRL logs them.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from finetune.config import PreferenceConfig
+from finetune.data.preference import PAIR_SAMPLES
+from finetune.fingerprint import sampled_fingerprint
 from finetune.loss import LossPath, sequence_logps
-from finetune.wrap import reshard
+from finetune.model import base_fingerprint, disable_dropout, load_model, model_folder
+from finetune.reference import (
+    REFERENCE_FILE,
+    cache_path,
+    check_resumable,
+    compute_reference,
+    read_reference,
+    reference_key,
+    write_reference,
+)
+from finetune.routing import route_in_fp32
+from finetune.wrap import reshard, shard_frozen
+
+if TYPE_CHECKING:
+    from finetune.objectives import BuildContext
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected")  # fmt: skip
@@ -163,3 +185,80 @@ def _per_pair(result: PairLosses, policy: torch.Tensor) -> list[torch.Tensor]:
 
 def _sums(result: PairLosses, policy: torch.Tensor) -> torch.Tensor:
     return torch.stack([metric.sum() for metric in _per_pair(result, policy)])
+
+
+class PreferenceBuilder:
+    """Preference tuning as the build knows it (`finetune.objectives.ObjectiveBuilder`): pairs, dropout off, and
+    the reference the loss compares against."""
+
+    name = "preference"
+    unit_noun = "pairs"
+    samples = PAIR_SAMPLES
+
+    def __init__(self, cfg: PreferenceConfig):
+        self.cfg = cfg
+        self.reference_model = cfg.reference_model
+
+    def prepare_model(self, model: torch.nn.Module, accelerator: Accelerator) -> None:
+        dropped = disable_dropout(model)  # the policy and its reference must agree at step 1
+        if dropped:
+            accelerator.print(f"dropout: off for preference tuning ({dropped})")
+
+    def build(self, context: BuildContext) -> tuple[Preference, Callable[[], None]]:
+        """A preference run with a precomputed reference computes it here (collective), or reads it: from the
+        output dir when resuming, from beside the tokenized data when this base and data computed it before."""
+        reference = self.cfg.resolved_reference(adapters=context.weights.trains_adapters)
+        objective = Preference(self.cfg, context.loss_path, reference)
+        if reference == "model":
+            objective.reference_model = self._reference_model(context)
+        if reference != "precomputed":
+            return objective, lambda: None
+        recipe, accelerator, data = context.recipe, context.accelerator, context.data
+        numerics = f"{context.loss_path}:{accelerator.mixed_precision}:{recipe.model.dtype}:{recipe.data.packing}"
+        key = reference_key(base_fingerprint(recipe.model.name_or_path), data.splits, numerics)
+        output_file = Path(recipe.output.dir) / REFERENCE_FILE
+        cached = cache_path(data.splits[0], key)
+        if context.resume_from is not None:
+            table = read_reference(output_file, key)
+            folder = model_folder(recipe.model.name_or_path)
+            if table is None and folder is not None:  # a run begun by an earlier version keyed it by sampled bytes
+                table = read_reference(output_file, reference_key(sampled_fingerprint(folder), data.splits, numerics))
+            table = check_resumable(table, Path(recipe.output.dir))
+        elif cached is not None and (table := read_reference(cached, key)) is not None:
+            accelerator.print(f"reference: log-probabilities of {len(table):,} pairs read from {cached}")
+        else:
+            table = compute_reference(
+                context.model, data.splits, data.collate, accelerator, recipe.train.micro_batch_size, context.loss_path
+            )
+            if cached is not None and accelerator.is_main_process:
+                write_reference(cached, table, key)
+        # On the device, where the step looks pairs up by their index without a copy back to the host.
+        objective.reference_logps = table.to(accelerator.device)
+        return objective, functools.partial(write_reference, output_file, table, key)
+
+    def _reference_model(self, context: BuildContext) -> torch.nn.Module:
+        """preference.reference=model: the reference model, frozen, without dropout, in eval mode, in the policy's
+        parameter dtype and attention, sharded as the policy is."""
+        accelerator = context.accelerator
+        cfg = dataclasses.replace(context.recipe.model, name_or_path=self.cfg.reference_model, config_file=None)
+        reference = load_model(cfg, "none")
+        reference.requires_grad_(False)
+        disable_dropout(reference)
+        route_in_fp32(reference)  # as the policy routes (a dense model has no routers)
+        reference.eval()
+        mesh = getattr(accelerator, "torch_device_mesh", None)  # hybrid sharding's 2-D mesh; None: the whole world
+        fsdp_mesh = mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None
+        shard_frozen(reference, getattr(accelerator.state, "fsdp_plugin", None), accelerator.device, fsdp_mesh)
+        accelerator.print(
+            f"reference: {cfg.name_or_path}, frozen, sharded as the policy{_mesh_shape(reference)} "
+            "(preference.reference=model)"
+        )
+        return reference
+
+
+def _mesh_shape(model: torch.nn.Module) -> str:
+    """' over a 2 x 2 mesh': the device mesh a sharded model's parameters live on, for the log ('' unsharded)."""
+    parameter = next(model.parameters())
+    if not isinstance(parameter, DTensor):
+        return ""
+    return " over a " + " x ".join(map(str, parameter.device_mesh.shape)) + " mesh"

@@ -8,7 +8,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from finetune.data import IGNORE
+from finetune.data import IGNORE, SEQUENCES
 from finetune.loss import LossPath, batch_loss
 from finetune.wrap import reshard
 
@@ -45,3 +45,18 @@ class Supervised:
         reshard(model)
         model.train()
         return {"loss": (loss_sum / num_targets.clamp(min=1)).item()}
+
+
+class SupervisedBuilder:
+    """Supervised fine-tuning as the build knows it (`finetune.objectives.ObjectiveBuilder`)."""
+
+    name = "supervised"
+    unit_noun = "sequences"
+    samples = SEQUENCES
+    reference_model = None
+
+    def prepare_model(self, model: torch.nn.Module, accelerator: Accelerator) -> None:
+        return None
+
+    def build(self, context) -> tuple[Supervised, object]:
+        return Supervised(context.loss_path), lambda: None
