@@ -35,6 +35,7 @@ from accelerate.checkpointing import save_accelerator_state
 from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 
+from finetune.atomic import fresh_partial, move_into_place
 from finetune.config import RecipeConfig, save_recipe
 from finetune.errors import FinetuneError, first_line
 from finetune.launch import ASYNC_SAVE_NEEDS
@@ -263,10 +264,9 @@ def save_checkpoint(
     started = time.perf_counter()
     root = checkpoints_root(output_dir)
     final = root / f"step_{state.step}"
-    partial = root / f"step_{state.step}.partial"
+    partial = final.with_name(final.name + ".partial")
     if accelerator.is_main_process:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
+        fresh_partial(final)
     accelerator.wait_for_everyone()
     with _write_errors(final, output_dir):
         written = save_state(partial)  # accelerate's returns the folder; only futures are waited on
@@ -288,8 +288,7 @@ def finish_checkpoint(accelerator: Accelerator, pending: PendingCheckpoint) -> P
     accelerator.wait_for_everyone()  # every rank's shards are on disk before the checkpoint is declared complete
     if accelerator.is_main_process:
         _write_synced(pending.partial / MARKER, f"step {pending.step}\n")
-        shutil.rmtree(pending.final, ignore_errors=True)  # a complete checkpoint of the same step from an earlier run
-        os.replace(pending.partial, pending.final)
+        move_into_place(pending.partial, pending.final)  # over a checkpoint of the same step from an earlier run
         for old in complete_checkpoints(pending.final.parent)[: -pending.keep_last]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()

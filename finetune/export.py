@@ -19,28 +19,21 @@ import re
 import shutil
 import signal
 import threading
-import warnings
-from abc import ABC, abstractmethod
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed.checkpoint as dcp
 from huggingface_hub import StateDictSplit, split_torch_state_dict_into_shards
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from finetune.atomic import fresh_partial, move_into_place
 from finetune.checkpoint import (
     ADAPTER_RECORD,
     ADAPTER_STATE,
     MODEL_FILES,
     TENSOR_NAMES,
-    MetadataUnpickler,
     checkpoint_problem,
     find_checkpoint,
     tensor_names,
@@ -48,12 +41,17 @@ from finetune.checkpoint import (
 from finetune.errors import FinetuneError, first_line
 from finetune.family import HubLayout
 from finetune.outputs import export_lock
+from finetune.weight_files import (
+    CheckpointWeights,
+    adapter_tensors,
+    open_weights,
+    read_checked,
+    target_dtype,
+)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-# Wrapper prefixes that FSDP1, activation checkpointing, torch.compile and DDP add to parameter names.
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 # Tensors read together from the checkpoint, as a fraction of the output shard size: this bounds
 # the memory a read holds besides the shard (pieces as saved, copies in the checkpoint's dtype).
 _READ_FRACTION = 10
@@ -106,26 +104,6 @@ def export_checkpoint(
     return out_dir
 
 
-def adapter_tensors(checkpoint: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The adapter of an adapter checkpoint under PEFT's names, as trained (fp32) or in `dtype`. Only
-    the adapter's tensors are read (a small fraction of the model), never the base's."""
-    names: dict[str, str] = json.loads((checkpoint / MODEL_FILES / ADAPTER_RECORD).read_text())["names"]
-    weights = _ShardedWeights(checkpoint / ADAPTER_STATE)
-    missing = [name for name in names if name not in weights.shapes]
-    if missing:
-        raise FinetuneError(
-            f"checkpoint {checkpoint} lacks adapter tensors ({', '.join(missing[:3])}); export a checkpoint written "
-            "by `finetune train`, unmodified"
-        )
-    stored = weights.dtypes
-    tensors = {
-        name: torch.empty(weights.shapes[name], dtype=_target_dtype(stored[name], dtype or stored[name]))
-        for name in names
-    }
-    _read_into(weights, tensors, checkpoint)
-    return {names[name]: tensor for name, tensor in tensors.items()}
-
-
 def _write_adapter_export(checkpoint: Path, out_dir: Path, dtype: torch.dtype | None) -> None:
     """The adapter as the folder PEFT writes: `adapter_model.safetensors` under PEFT's names,
     `adapter_config.json` naming the base model, the tokenizer."""
@@ -136,7 +114,7 @@ def _write_adapter_export(checkpoint: Path, out_dir: Path, dtype: torch.dtype | 
             if source.name not in _NOT_ADAPTER_FILES:  # the base model's own files would make OUT look like a model
                 shutil.copy2(source, partial / source.name)
         _save_shard(adapter, partial / "adapter_model.safetensors", out_dir)
-        _replace(partial, out_dir)
+        move_into_place(partial, out_dir)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -158,7 +136,7 @@ def _write_export(
         names, hub = _export_names(weights, checkpoint), _hub_layout(checkpoint / MODEL_FILES)
     dtype = dtype or weights.training_dtype()
     layout = {
-        name: torch.empty(weights.shapes[source], dtype=_target_dtype(weights.dtypes[source], dtype), device="meta")
+        name: torch.empty(weights.shapes[source], dtype=target_dtype(weights.dtypes[source], dtype), device="meta")
         for name, source in names.items()
     }
     # Each tensor as the hub stores it: itself, renamed, or (a fused MoE tensor) split into several.
@@ -179,11 +157,11 @@ def _write_export(
             for group in _read_groups({name: stored[name] for name in shard_names}, read_budget):
                 whole = [name for name in group if name in stored_as[name]]  # stored as held: read in place
                 if whole:
-                    _read_into(weights, {names[name]: shard[name] for name in whole}, checkpoint)
+                    read_checked(weights, {names[name]: shard[name] for name in whole}, checkpoint)
                 for name in group:
                     if name not in whole:  # read as held, one at a time, then stored in pieces
                         held = torch.empty_like(layout[name], device="cpu")
-                        _read_into(weights, {names[name]: held}, checkpoint)
+                        read_checked(weights, {names[name]: held}, checkpoint)
                         for piece, value in hub.convert(name, held).items():
                             shard[piece].copy_(value)
             _save_shard(shard, partial / filename, out_dir)
@@ -194,7 +172,7 @@ def _write_export(
             }
             index = {"metadata": split.metadata, "weight_map": weight_map}
             (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        _replace(partial, out_dir)
+        move_into_place(partial, out_dir)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -243,130 +221,6 @@ def _save_shard(shard: dict[str, torch.Tensor], path: Path, out_dir: Path) -> No
         raise FinetuneError(
             f"cannot write the export to {out_dir} ({first_line(exc)}); free space there or export to another folder"
         ) from None
-
-
-class CheckpointWeights(ABC):
-    """The model weights of one checkpoint, by parameter name, readable a few tensors at a time."""
-
-    def __init__(self, shapes: dict[str, torch.Size], dtypes: dict[str, torch.dtype]):
-        self.shapes, self.dtypes = shapes, dtypes
-
-    @abstractmethod
-    def read_into(self, targets: dict[str, torch.Tensor]) -> None:
-        """Fill each target (by checkpoint name) with that tensor's values, cast to the target's dtype."""
-
-    def training_dtype(self) -> torch.dtype:
-        """The floating dtype holding most of the parameters: what the run trained in."""
-        counts: Counter[torch.dtype] = Counter()
-        for name, shape in self.shapes.items():
-            if self.dtypes[name].is_floating_point:
-                counts[self.dtypes[name]] += shape.numel()
-        return counts.most_common(1)[0][0]
-
-
-class _ShardedWeights(CheckpointWeights):
-    """A SHARDED checkpoint: torch.distributed.checkpoint files, one per saving rank."""
-
-    def __init__(self, folder: Path):
-        self.reader = _SafeMetadataReader(folder)
-        metadata = self.reader.read_metadata().state_dict_metadata
-        # accelerate saves {"model": model.state_dict()}, which DCP flattens to "model.<name>".
-        # The model's tensors only: an adapter checkpoint keeps its optimizer state in the same folder.
-        self.keys = {
-            _clean(key.removeprefix("model.")): key
-            for key, item in metadata.items()
-            if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
-        }
-        super().__init__(
-            {name: metadata[key].size for name, key in self.keys.items()},
-            {name: metadata[key].properties.dtype for name, key in self.keys.items()},
-        )
-
-    def read_into(self, targets: dict[str, torch.Tensor]) -> None:
-        # DCP copies each saved piece straight into its destination; only a target of another dtype
-        # than the checkpoint's needs a buffer in the checkpoint's dtype, cast afterwards.
-        buffers = {
-            name: target if target.dtype == self.dtypes[name] else torch.empty_like(target, dtype=self.dtypes[name])
-            for name, target in targets.items()
-        }
-        with warnings.catch_warnings():  # "torch.distributed is disabled": one process is the point here
-            warnings.simplefilter("ignore", UserWarning)
-            wanted = {self.keys[name]: buffer for name, buffer in buffers.items()}
-            dcp.load(wanted, storage_reader=self.reader, no_dist=True)  # reads only these tensors' bytes
-        for name, target in targets.items():
-            if buffers[name] is not target:
-                target.copy_(buffers[name])
-
-
-class _TorchFileWeights(CheckpointWeights):
-    """A FULL checkpoint of an FSDP run: one torch.save file, memory-mapped so it is read lazily."""
-
-    def __init__(self, path: Path):
-        loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        self.tensors = {_clean(key): tensor for key, tensor in loaded.items()}
-        super().__init__(
-            {name: t.shape for name, t in self.tensors.items()}, {name: t.dtype for name, t in self.tensors.items()}
-        )
-
-    def read_into(self, targets: dict[str, torch.Tensor]) -> None:
-        for name, target in targets.items():
-            target.copy_(self.tensors[name])  # the file's pages are read here
-
-
-class _SafetensorsWeights(CheckpointWeights):
-    """The full model as safetensors files (DDP and single-process checkpoints)."""
-
-    def __init__(self, paths: list[Path]):
-        self.files: dict[str, tuple[Path, str]] = {}
-        shapes, dtypes = {}, {}
-        for path in paths:
-            with safe_open(path, framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 (safe_open is no dict)
-                    view = f.get_slice(key)
-                    name = _clean(key)
-                    self.files[name] = (path, key)
-                    shapes[name] = torch.Size(view.get_shape())
-                    dtypes[name] = _SAFETENSORS_DTYPES[view.get_dtype()]
-        super().__init__(shapes, dtypes)
-
-    def read_into(self, targets: dict[str, torch.Tensor]) -> None:
-        for name, target in targets.items():
-            path, key = self.files[name]
-            with safe_open(path, framework="pt") as f:
-                target.copy_(f.get_tensor(key))
-
-
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}  # fmt: skip
-
-
-def open_weights(checkpoint: Path) -> CheckpointWeights:
-    """The model weights of a checkpoint, in whichever layout accelerate's save_state wrote them."""
-    if (checkpoint / "pytorch_model_fsdp_0" / ".metadata").is_file():
-        return _ShardedWeights(checkpoint / "pytorch_model_fsdp_0")
-    full = sorted(checkpoint.glob("pytorch_model_fsdp*.bin"))
-    if full:
-        return _TorchFileWeights(full[0])
-    safetensors_files = sorted(checkpoint.glob("model*.safetensors"))
-    if safetensors_files:
-        return _SafetensorsWeights(safetensors_files)
-    raise FinetuneError(
-        f"checkpoint {checkpoint} holds no model weights (no pytorch_model_fsdp_0/, pytorch_model_fsdp.bin or "
-        "model.safetensors); pass a step_<N> folder written by `finetune train`"
-    )
-
-
-class _SafeMetadataReader(FileSystemReader):
-    """Reads DCP's `.metadata` pickle allowing only the checkpoint metadata types, never arbitrary code."""
-
-    def read_metadata(self, *args, **kwargs):
-        if not hasattr(self, "_metadata"):
-            with open(Path(self.path) / ".metadata", "rb") as f:
-                self._metadata = MetadataUnpickler(f).load()
-        return self._metadata
 
 
 def _export_names(
@@ -422,25 +276,6 @@ def _state_dtype(config_file: Path, dtype: torch.dtype) -> None:
     # A QLoRA base was loaded in 4 bits; the exported weights are plain tensors of `dtype`.
     config.pop("quantization_config", None)
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def _read_into(weights: CheckpointWeights, targets: dict[str, torch.Tensor], checkpoint: Path) -> None:
-    try:
-        weights.read_into(targets)
-    except FinetuneError:
-        raise
-    except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException; others vary
-        if isinstance(exc, CheckpointException):  # it wraps the reader's own exception
-            exc = next(iter(exc.failures.values()))[0]
-        raise FinetuneError(
-            f"cannot read {next(iter(targets))} from checkpoint {checkpoint} ({first_line(exc)}); its files are "
-            "damaged or incomplete: export an earlier checkpoint"
-        ) from None
-
-
-def _target_dtype(stored: torch.dtype, requested: torch.dtype) -> torch.dtype:
-    """Floating tensors take the requested dtype; integer buffers keep theirs."""
-    return requested if stored.is_floating_point else stored
 
 
 def _allocate(layout: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -532,31 +367,12 @@ def _check_not_the_base(out_dir: Path, checkpoint: Path) -> None:
 
 def _make_partial(out_dir: Path) -> Path:
     """The empty folder the export is written into, next to out_dir; fails early if it can't be written."""
-    partial = out_dir.with_name(out_dir.name + ".partial")
     try:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
+        return fresh_partial(out_dir)
     except OSError as exc:
         raise FinetuneError(
             f"cannot write the export folder {out_dir} ({exc.strerror}); pick a folder you can write to"
         ) from None
-    return partial
-
-
-def _replace(partial: Path, out_dir: Path) -> None:
-    """Move the complete folder into place; an earlier folder there is removed only afterwards."""
-    previous = out_dir.with_name(out_dir.name + ".previous")
-    shutil.rmtree(previous, ignore_errors=True)
-    if out_dir.exists():
-        out_dir.rename(previous)
-    partial.rename(out_dir)
-    shutil.rmtree(previous, ignore_errors=True)
-
-
-def _clean(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name.removeprefix("module.")
 
 
 FINAL_LOGITS = "final_logits.safetensors"

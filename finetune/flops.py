@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from finetune.batch import Batch
 from finetune.family import active_parameters
 
 # Dense bf16/fp16 tensor-core peaks (no sparsity) from the vendors' data sheets, in FLOP/s.
@@ -44,12 +45,12 @@ class ModelFlops:
     per_squared_length: float
     """6 L d_attn: a sample of n tokens costs this times n^2 in attention."""
 
-    def batch(self, batch: dict[str, torch.Tensor], num_tokens: int | torch.Tensor) -> torch.Tensor:
+    def batch(self, batch: Batch, num_tokens: int | torch.Tensor) -> torch.Tensor:
         """Model FLOPs of one micro-batch, on its device (no host sync)."""
         return self.per_token * num_tokens + self.per_squared_length * squared_sample_lengths(batch)
 
 
-def squared_sample_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def squared_sample_lengths(batch: Batch) -> torch.Tensor:
     """The sum of n^2 over the batch's samples, from positions: a sample of n tokens has positions 0..n-1
     and sum(2p + 1) over them is n^2. Packed rows carry their `position_ids` (a row's padding is one more
     short run at its end); padded rows count the positions their mask keeps."""

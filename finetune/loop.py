@@ -22,6 +22,7 @@ from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
+from finetune.batch import Batch
 from finetune.build import Run
 from finetune.checkpoint import PendingCheckpoint, TrainerState, finish_checkpoint, save_checkpoint
 from finetune.config import RecipeConfig
@@ -33,8 +34,6 @@ from finetune.memory import MemoryProbe, format_reports, gather_reports, memory_
 from finetune.metrics import MetricsLogger
 from finetune.objectives import Objective, Supervised
 from finetune.profile import StepProfiler
-
-Batch = dict[str, torch.Tensor]
 
 
 @dataclass

@@ -30,8 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune import attention
-from finetune.data import IGNORE
-from finetune.data.pack import kept_positions
+from finetune.batch import IGNORE, Batch, kept_positions
 
 LossPath = Literal["chunked", "full_logits"]
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
@@ -71,7 +70,7 @@ class BatchLoss:
     """Sum of each row's token losses, detached, shape (rows,)."""
 
 
-def batch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], path: LossPath) -> BatchLoss:
+def batch_loss(model: torch.nn.Module, batch: Batch, path: LossPath) -> BatchLoss:
     """The summed next-token loss of a batch of `input_ids` / `target_ids` rows (IGNORE where none)."""
     inputs = model_inputs(model, batch)
     targets = batch["target_ids"]
@@ -92,7 +91,7 @@ def batch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], path: Los
     return BatchLoss(total, per_row)
 
 
-def target_positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def target_positions(batch: Batch) -> torch.Tensor:
     """The positions with a target, as indices into the batch's rows flattened (rows made one for the varlen and
     flash paths keep that order). The collators computed them on the host (`kept_index`): found here, on a
     GPU, they would stall the host until the device caught up (`nonzero` must know how many there are)."""
@@ -100,7 +99,7 @@ def target_positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return kept if kept is not None else kept_positions(batch["target_ids"])
 
 
-def model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+def model_inputs(model: torch.nn.Module, batch: Batch) -> dict[str, Any]:
     """What the model is given of a batch. Packed rows (samples told apart by `position_ids` restarting,
     no attention mask) become one row for the kernels that take sample boundaries: the varlen path gets
     them as `cu_seq_lens` (finetune.attention), and transformers' flash-attention derives them from
@@ -272,7 +271,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (*grads, None, None)
 
 
-def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], path: LossPath) -> torch.Tensor:
+def sequence_logps(model: torch.nn.Module, batch: Batch, path: LossPath) -> torch.Tensor:
     """The log-probability of each sequence's target tokens, summed: shape (sequences,), differentiable when
     gradients are enabled. A batch's rows hold the sequences (packed or padded); `sequence_ids` names the
     sequence of every position with a target (-1 elsewhere), `sequence_targets` counts each one's targets.

@@ -24,8 +24,8 @@ import torch
 
 from finetune.checkpoint import ADAPTER_RECORD, MODEL_FILES, tensor_names, trained_base
 from finetune.errors import FinetuneError, first_line
-from finetune.export import CheckpointWeights, _SafetensorsWeights, adapter_tensors
 from finetune.family import HubLayout
+from finetune.weight_files import CheckpointWeights, SafetensorsWeights, adapter_tensors
 
 _PREFIX = "base_model.model."  # PEFT's prefix of every saved adapter key
 _TRANSPOSED = ("Conv1D", "Embedding")
@@ -280,7 +280,7 @@ def _base_weights(name_or_path: str, trained_on: str | None) -> CheckpointWeight
             "since); point base_model_name_or_path in the checkpoint's hf/adapter_config.json at the base it trained "
             "on, or export without --merge"
         )
-    return _Mxfp4Weights(_SafetensorsWeights(files)) if method == "mxfp4" else _SafetensorsWeights(files)
+    return _Mxfp4Weights(SafetensorsWeights(files)) if method == "mxfp4" else SafetensorsWeights(files)
 
 
 class _Mxfp4Weights(CheckpointWeights):
@@ -290,7 +290,7 @@ class _Mxfp4Weights(CheckpointWeights):
     base stores its other weights in (bf16 on the hub; every MXFP4 value is exact in it). One fused tensor at a
     time, as the exporter asks for them."""
 
-    def __init__(self, stored: _SafetensorsWeights):
+    def __init__(self, stored: SafetensorsWeights):
         self.stored = stored
         self.dtype = stored.training_dtype()  # the codes are integers: the plain weights' dtype
         self.packed: dict[str, tuple[str, str]] = {}  # fused name -> its blocks and scales

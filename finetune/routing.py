@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.func import functional_call
 
+from finetune.batch import Batch
 from finetune.errors import FinetuneError
 from finetune.family import experts_of, is_routed_expert
 
@@ -191,7 +192,7 @@ class BalancingLoss:
         finally:
             self._recording = False
 
-    def take(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def take(self, batch: Batch) -> torch.Tensor:
         """The balancing term of the forward just recorded, over the batch's real tokens; the logits are released.
         Each layer's tokens per expert are added to `load` (on the device: no sync)."""
         logits, self._logits = tuple(self._logits), []
@@ -215,7 +216,7 @@ class BalancingLoss:
         return {f"expert_load/{layer}": ratio for layer, ratio in enumerate(ratios)}
 
 
-def real_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def real_tokens(batch: Batch) -> torch.Tensor:
     """1 at each real token of a batch, 0 at padding: its attention mask, or for packed rows (no mask) the first
     `row_tokens` positions of each row."""
     if "attention_mask" in batch:

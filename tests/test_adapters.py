@@ -381,9 +381,9 @@ def test_adapters_resume_and_merge_only_on_the_base_they_trained_on(lora_run, de
 
 
 def open_weights_of_adapters(checkpoint: Path) -> dict[str, torch.Size]:
-    from finetune.export import _ShardedWeights
+    from finetune.weight_files import ShardedWeights
 
-    return _ShardedWeights(checkpoint / ADAPTER_STATE).shapes
+    return ShardedWeights(checkpoint / ADAPTER_STATE).shapes
 
 
 def folder_bytes(folder: Path) -> int:

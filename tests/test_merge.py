@@ -16,8 +16,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from finetune.adapters import add_adapters
 from finetune.config import PeftConfig
 from finetune.errors import FinetuneError
-from finetune.export import _SafetensorsWeights
 from finetune.merge import MergedWeights, model_weight_files, transposed_layers
+from finetune.weight_files import SafetensorsWeights
 
 
 def llama() -> LlamaForCausalLM:
@@ -69,7 +69,7 @@ def test_the_merge_computes_what_the_adapted_model_did(layers, kind, base_layout
     assert any("lora_embedding_A" in key for key in adapter)  # the embedding has its own adapter names
 
     merged = MergedWeights(
-        _SafetensorsWeights(model_weight_files(folder)), adapter, config.to_dict(), transposed_layers(base)
+        SafetensorsWeights(model_weight_files(folder)), adapter, config.to_dict(), transposed_layers(base)
     )
     state = {name: torch.empty(shape) for name, shape in merged.shapes.items()}
     merged.read_into(state)
@@ -120,5 +120,5 @@ def test_a_qlora_merge_without_bitsandbytes_says_so(monkeypatch, tmp_path):
                  "compress_statistics": True, "dtype": "float32"}  # fmt: skip
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if it were not installed
     with pytest.raises(FinetuneError, match="needs bitsandbytes: install it .* or pass --merge-onto original"):
-        MergedWeights(_SafetensorsWeights(model_weight_files(tmp_path / "base")), {},
+        MergedWeights(SafetensorsWeights(model_weight_files(tmp_path / "base")), {},
                       {"lora_alpha": 8, "r": 4}, set(), quantized)  # fmt: skip

@@ -471,10 +471,10 @@ def test_expert_adapters_merge_into_the_hub_layout_as_peft_merges_them(model_typ
 
     from finetune.adapters import add_adapters
     from finetune.config import PeftConfig
-    from finetune.export import _SafetensorsWeights
     from finetune.family import HubLayout
     from finetune.merge import ExpertUpdates, MergedWeights, model_weight_files
     from finetune.model import meta_model
+    from finetune.weight_files import SafetensorsWeights
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
@@ -495,7 +495,7 @@ def test_expert_adapters_merge_into_the_hub_layout_as_peft_merges_them(model_typ
     if hub is not None:
         adapter = {merge_module._hub_key(hub, key): tensor for key, tensor in adapter.items()}
     experts.in_layout(hub)
-    merged = MergedWeights(_SafetensorsWeights(model_weight_files(tmp_path / "base")), adapter, config, set(),
+    merged = MergedWeights(SafetensorsWeights(model_weight_files(tmp_path / "base")), adapter, config, set(),
                            experts=experts)  # fmt: skip
     ours = {name: torch.empty(shape) for name, shape in merged.shapes.items()}
     merged.read_into(ours)

@@ -10,8 +10,8 @@ import datasets
 import torch
 
 from finetune.attention import cumulative_lengths
+from finetune.batch import IGNORE, Batch, kept_positions
 from finetune.chatter import no_datasets_bars
-from finetune.data.tokenize import IGNORE
 
 WINDOW = 2000
 """Samples packed together: each window of the (seeded, shuffled) data is packed on its own, so packing is
@@ -94,7 +94,7 @@ def collate_packed(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return with_host_indices(batch)
 
 
-def with_host_indices(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def with_host_indices(batch: Batch) -> Batch:
     """Add what the step would otherwise find on the device, where finding it (`nonzero`, boolean-mask indexing)
     stalls the host until the GPU catches up: `kept_index`, the positions with a target in the rows flattened
     (finetune.loss); for packed rows `cu_seq_lens`, where each sample starts in them and their end (the varlen
@@ -103,11 +103,6 @@ def with_host_indices(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     if "position_ids" in batch:
         batch["cu_seq_lens"] = cumulative_lengths(batch["position_ids"])
     return batch
-
-
-def kept_positions(target_ids: torch.Tensor) -> torch.Tensor:
-    """The positions of rows of `target_ids` that have a target, as indices into the rows flattened."""
-    return (target_ids.reshape(-1) != IGNORE).nonzero().reshape(-1)
 
 
 def collate_padded(rows: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:

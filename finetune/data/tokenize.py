@@ -13,12 +13,12 @@ import os
 import datasets
 from transformers import PreTrainedTokenizerBase
 
+from finetune.batch import IGNORE
 from finetune.config import DataConfig
 from finetune.data.chat import EncodedSamples, MultiTurn, describe, encode_rendered, render_chats
 from finetune.data.sources import SAMPLE_INDEX
 from finetune.errors import FinetuneError
 
-IGNORE = -100
 FORMAT_COLUMNS = {
     "chat": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",),
     "preference": ("chosen", "rejected"),

@@ -31,6 +31,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
+from finetune.batch import Batch
 from finetune.config import RecipeConfig
 from finetune.errors import FinetuneError, first_line
 from finetune.objectives.balanced import Balanced
@@ -55,9 +56,9 @@ class Objective(Protocol):
     progress_name: str | None
     """The metric the progress bar shows beside the loss, if any."""
 
-    def count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
+    def count(self, batch: Batch) -> torch.Tensor: ...
 
-    def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def evaluate(self, model: torch.nn.Module, loader: DataLoader, accelerator: Accelerator) -> dict[str, float]: ...
 

@@ -14,6 +14,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
+from finetune.batch import Batch
 from finetune.routing import BalancingLoss
 
 
@@ -35,10 +36,10 @@ class Balanced:
     def progress_name(self) -> str | None:
         return self.inner.progress_name
 
-    def count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def count(self, batch: Batch) -> torch.Tensor:
         return self.inner.count(batch)
 
-    def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         with self.balancing.recording():
             summed, sums = self.inner.loss(model, batch)
         term = self.balancing.take(batch).to(summed.device)

@@ -31,6 +31,7 @@ from accelerate import Accelerator
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
+from finetune.batch import Batch
 from finetune.config import PreferenceConfig
 from finetune.data.preference import PAIR_SAMPLES
 from finetune.fingerprint import sampled_fingerprint
@@ -118,15 +119,15 @@ class Preference:
     metric_names: tuple[str, ...] = METRICS
     progress_name: str | None = "rewards/accuracies"
 
-    def count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def count(self, batch: Batch) -> torch.Tensor:
         index = batch["pair_index"]
         return torch.full((), index.shape[0], dtype=torch.int64, device=index.device)
 
-    def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         result, policy = self._pairs(model, batch)
         return result.losses.sum(), _sums(result, policy)
 
-    def _pairs(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[PairLosses, torch.Tensor]:
+    def _pairs(self, model: torch.nn.Module, batch: Batch) -> tuple[PairLosses, torch.Tensor]:
         pairs = batch["pair_index"].shape[0]
         policy = sequence_logps(model, batch, self.loss_path)
         reference = self.reference_of(model, batch)
@@ -138,7 +139,7 @@ class Preference:
         )  # fmt: skip
         return result, policy.detach()
 
-    def reference_of(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    def reference_of(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor | None:
         """The reference's log-probabilities of the batch's sequences (chosen, then rejected)."""
         if self.reference == "none":
             return None

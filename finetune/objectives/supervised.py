@@ -8,7 +8,8 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from finetune.data import IGNORE, SEQUENCES
+from finetune.batch import IGNORE, Batch
+from finetune.data import SEQUENCES
 from finetune.loss import LossPath, batch_loss
 from finetune.wrap import reshard
 
@@ -20,10 +21,10 @@ class Supervised:
     metric_names: tuple[str, ...] = ()
     progress_name: str | None = None
 
-    def count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def count(self, batch: Batch) -> torch.Tensor:
         return (batch["target_ids"] != IGNORE).sum()
 
-    def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         return batch_loss(model, batch, self.loss_path).total, torch.zeros(0)
 
     def periodic_metrics(self, accelerator: Accelerator) -> dict[str, float]:
