@@ -42,7 +42,7 @@ VARLEN = {"model.attn_implementation": "varlen"}
 # One lever at a time against "chunked loss, no checkpointing" (the defaults), then all the levers that pay
 # together: name -> (launch flags, recipe overrides).
 VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {
-    "full logits, no checkpointing": ([], {"train.loss": "full_logits"}),
+    "full logits, no checkpointing": ([], {"train.loss_path": "full_logits"}),
     "chunked loss, no checkpointing": ([], {}),
     "chunked loss, varlen attention": ([], VARLEN),
     "chunked loss, selective checkpointing": ([], {"train.activation_checkpointing": "selective"}),

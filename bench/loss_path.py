@@ -1,4 +1,4 @@
-"""One loss path (`train.loss`) on a head-dominated model, in a process of its own so that its memory
+"""One loss path (`train.loss_path`) on a head-dominated model, in a process of its own so that its memory
 high-water mark is its own: a Llama with a large vocabulary and a small hidden size, one row of
 `rows` tokens, every position a target, fp32, one process.
 

@@ -15,7 +15,7 @@ Comparisons (2 CPU processes over gloo unless stated):
   checkpoint_save  seconds the loop is blocked by a save: SHARDED (synchronous, asynchronous) vs FULL state dict
   scaling          step time and per-rank memory: 3 sizes x 1/2 processes x full shard/shard-grad-op/DDP
   data_pipeline    tokenize + mask vs a batched render + tokenize datasets.map; + pack, first and cached
-  loss_path        train.loss chunked vs full_logits: step peak, bytes saved for backward, tokens/s
+  loss_path        train.loss_path chunked vs full_logits: step peak, bytes saved for backward, tokens/s
   lora_vs_full     LoRA vs full fine-tuning (FSDP2): step time, rank 0 memory, checkpoint bytes
   trl_lora         target tokens/s of finetune LoRA vs TRL's SFTTrainer + PEFT (packing, padding-free), DDP
   dpo              DPO pairs/s and peak RSS vs TRL DPOTrainer, its defaults and its best (precomputed reference)
@@ -424,7 +424,7 @@ class Bench:
         return {"target_fill": 0.97, "window": WINDOW, "sets": results}
 
     def loss_path(self) -> dict:
-        """train.loss chunked vs full_logits on a head-dominated shape (vocabulary 128,256, hidden 64, a row of
+        """train.loss_path chunked vs full_logits on a head-dominated shape (vocabulary 128,256, hidden 64, a row of
         2,048 tokens, fp32, one process; bench/loss_path.py): step peak and bytes saved for backward as
         fractions of the fp32 logits' size, and tokens/s, each path in processes of its own, interleaved."""
         vocab, hidden, rows, steps = (8192, 64, 256, 2) if self.quick else (128_256, 64, 2048, 5)

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from finetune.checkpoint import (
-    TrainerState,
+    TrainingState,
     check_resume_objective,
     check_resume_strategy,
     load_checkpoint,
@@ -59,10 +59,10 @@ from finetune.model import (
     model_folder,
 )
 from finetune.model_files import save_model_files
-from finetune.objectives import Balanced, BuildContext, Objective, ObjectiveBuilder, objective_for
+from finetune.objectives import BuildContext, Objective, ObjectiveBuilder, WithBalancingLoss, objective_for
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.outputs import check_output_dir
-from finetune.recompute import Policy, checkpointing_policy
+from finetune.recompute import Policy, recompute_policy
 from finetune.routing import check_experts_recipe, set_up_routing
 from finetune.weights import StateIO, Weights, weights_for
 from finetune.wrap import validate_wrap_policy
@@ -90,7 +90,7 @@ class Run:
     objective: Objective
     objective_name: str
     """Stored in every checkpoint (`ObjectiveBuilder.name`)."""
-    start: TrainerState
+    start: TrainingState
     """Where training stands: step 0, or the restored checkpoint's step."""
     data: Data
     weights: Weights
@@ -147,7 +147,7 @@ def build_run(recipe: RecipeConfig, resume_from: Path | None) -> Run:
     write_model_files, (save_state, load_state) = setup_checkpoint_io(
         recipe, accelerator, model, optimizer, tokenizer, weights
     )
-    loss_path, loss_line = choose_loss_path(recipe.train.loss, accelerator.unwrap_model(model))
+    loss_path, loss_line = choose_loss_path(recipe.train.loss_path, accelerator.unwrap_model(model))
     objective, routing_line, write_objective_files = setup_objective(
         BuildContext(recipe, accelerator, model, data, loss_path, weights, resume_from), builder
     )
@@ -164,11 +164,11 @@ def setup_accelerator(recipe: RecipeConfig) -> tuple[Accelerator, Policy, str | 
     accelerator = build_accelerator(
         trackers=recipe.output.trackers,
         project_dir=str(Path(recipe.output.dir)),
-        recipe_activation_checkpointing=recipe.train.checkpointing != "none",
+        recipe_activation_checkpointing=recipe.train.recompute != "none",
         param_dtype=DTYPES[recipe.model.dtype],
     )
     set_seed(recipe.train.seed)
-    policy, policy_line = checkpointing_policy(recipe, accelerator)
+    policy, policy_line = recompute_policy(recipe, accelerator)
     return accelerator, policy, policy_line
 
 
@@ -288,7 +288,7 @@ def setup_objective(
     )
     objective, write_files = builder.build(context)
     if balancing is not None:
-        objective = Balanced(objective, balancing)
+        objective = WithBalancingLoss(objective, balancing)
     return objective, routing_line, write_files
 
 
@@ -298,10 +298,10 @@ def restore(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     load_state: Callable[[Path], None],
     resume_from: Path | None,
-) -> TrainerState:
+) -> TrainingState:
     """Where training starts: step 0, or the state of the checkpoint it resumes (collective load)."""
     if resume_from is None:
-        return TrainerState(0, 0, 0, accelerator.num_processes, recipe.model.name_or_path)
+        return TrainingState(0, 0, 0, accelerator.num_processes, recipe.model.name_or_path)
     # The launch's strategy is known for sure only here (preflight runs outside any launch too).
     check_resume_strategy(resume_from, fsdp=accelerator.distributed_type == DistributedType.FSDP)
     start = load_checkpoint(resume_from, recipe, load_state)

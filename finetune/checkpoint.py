@@ -36,7 +36,7 @@ from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 
 from finetune.atomic import fresh_partial, move_into_place
-from finetune.config import RecipeConfig, save_recipe
+from finetune.config import RecipeConfig, save_recipe, with_current_keys
 from finetune.errors import FinetuneError, first_line
 from finetune.launch import ASYNC_SAVE_NEEDS
 
@@ -57,7 +57,7 @@ _STEP_FOLDER = re.compile(r"step_(\d+)")
 
 
 @dataclass(frozen=True)
-class TrainerState:
+class TrainingState:
     """Where training stands after `step` optimizer steps."""
 
     step: int
@@ -154,7 +154,7 @@ def checkpoint_problem(path: Path, *, resuming: bool = True) -> str | None:
     """
     try:
         if resuming:  # the export reads weights and model files only
-            TrainerState(**json.loads((path / STATE_FILE).read_text()))
+            TrainingState(**json.loads((path / STATE_FILE).read_text()))
     except (OSError, ValueError, TypeError) as exc:
         return f"{STATE_FILE}: {first_line(exc)}"
     for metadata_file in sorted(path.glob("*/.metadata")):
@@ -248,7 +248,7 @@ class PendingCheckpoint:
 def save_checkpoint(
     accelerator: Accelerator,
     output_dir: Path,
-    state: TrainerState,
+    state: TrainingState,
     recipe: RecipeConfig,
     write_model_files: Callable[[Path], None],
     names: list[list[str]],
@@ -409,10 +409,10 @@ def check_resume_base(checkpoint: Path, name_or_path: str, folder: Path | None) 
         )
 
 
-def load_checkpoint(path: Path, recipe: RecipeConfig, load_state: Callable[[Path], None]) -> TrainerState:
+def load_checkpoint(path: Path, recipe: RecipeConfig, load_state: Callable[[Path], None]) -> TrainingState:
     """Restore model, optimizer and RNG states from `path` with `load_state` (collective); return
     where training stands, with the scheduler's state."""
-    state = TrainerState(**json.loads((path / STATE_FILE).read_text()))  # checked by resolve_resume
+    state = TrainingState(**json.loads((path / STATE_FILE).read_text()))  # checked by resolve_resume
     if state.model_name_or_path != recipe.model.name_or_path:
         raise FinetuneError(
             f"checkpoint {path} was trained from {state.model_name_or_path!r} but the recipe names "
@@ -438,7 +438,7 @@ def recipe_changes(checkpoint: Path, recipe: RecipeConfig) -> list[str]:
         return []
     # Both as save_recipe writes them, so that a tuple and the list YAML reads it back as compare equal.
     now = yaml.safe_load(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-    then, now = _flat(yaml.safe_load(saved.read_text()) or {}), _flat(now)
+    then, now = _flat(with_current_keys(yaml.safe_load(saved.read_text()) or {})[0]), _flat(now)
     return [
         f"{key}: {then.get(key)} -> {now.get(key)}"
         for key in sorted(then.keys() | now.keys())

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from finetune import chatter
+from finetune import quiet
 from finetune.errors import FinetuneError
 
 EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if getattr(args, "verbose", False):
-        os.environ[chatter.VERBOSE] = "1"
-    chatter.quiet_libraries()
+        os.environ[quiet.VERBOSE] = "1"
+    quiet.quiet_libraries()
     try:
         if args.command == "train":
             _train(args.recipe, args.overrides)
@@ -134,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     train_parser.add_argument(
         "--verbose",
         action="store_true",
-        help=f"the libraries' own progress bars and info lines too (or {chatter.VERBOSE}=1)",
+        help=f"the libraries' own progress bars and info lines too (or {quiet.VERBOSE}=1)",
     )
     export_parser = commands.add_parser(
         "export", help="write a checkpoint as a Hugging Face model folder (one process, no launcher)"

@@ -11,7 +11,9 @@ import contextlib
 import dataclasses
 import difflib
 import math
+import os
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -274,7 +276,7 @@ class TrainConfig:
     """[first, last]: record these optimizer steps (inclusive) with the torch profiler, a trace and a table per
     process under `<output.dir>/profile/` (`finetune.profile`); [] records nothing."""
 
-    loss: Literal["chunked", "full_logits"] = "chunked"
+    loss_path: Literal["chunked", "full_logits"] = "chunked"
     """`chunked`: logits only at positions with a target, projected and scored a chunk of rows at a
     time, never the full fp32 logits (models whose output layer is not a plain projection fall back,
     said in the log); `full_logits`: the reference, every position's logits in fp32."""
@@ -290,7 +292,7 @@ class TrainConfig:
     `preference` section."""
 
     @property
-    def checkpointing(self) -> Literal["none", "full", "selective", "auto"]:
+    def recompute(self) -> Literal["none", "full", "selective", "auto"]:
         """`activation_checkpointing` as a policy (or `auto`, which training resolves): true is full, false none."""
         value = self.activation_checkpointing
         return "full" if value is True else "none" if value is False else value
@@ -569,6 +571,22 @@ class RecipeConfig:
         return dataclasses.asdict(self)
 
 
+# Keys renamed since they were introduced, (section, old) -> new: the old name keeps working, with a note.
+RENAMED_KEYS = {("train", "loss"): "loss_path"}
+
+
+def with_current_keys(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A recipe tree with every renamed key under its current name (a checkpoint's saved recipe too), and a
+    note per key renamed."""
+    notes = []
+    for (section, old), new in RENAMED_KEYS.items():
+        node = raw.get(section)
+        if isinstance(node, dict) and old in node and new not in node:
+            node[new] = node.pop(old)
+            notes.append(f"{section}.{old} is now {section}.{new}; read as such (rename it in the recipe)")
+    return raw, notes
+
+
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RecipeConfig:
     """Read a recipe YAML, apply `section.key=value` overrides, and validate everything at once."""
     path = Path(path)
@@ -585,6 +603,10 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> RecipeC
     errors: list[str] = []
     for override in overrides or []:
         _apply_override(raw, override, errors)
+    raw, notes = with_current_keys(raw)
+    if os.environ.get("RANK", "0") == "0":  # said once, not by every process of a launch
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
     recipe = _build(RecipeConfig, raw, "", errors)
     if recipe is not None and not errors:
         errors.extend(recipe.cross_field_errors())

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from finetune.batch import Batch
 from finetune.build import Run
-from finetune.checkpoint import PendingCheckpoint, TrainerState, finish_checkpoint, save_checkpoint
+from finetune.checkpoint import PendingCheckpoint, TrainingState, finish_checkpoint, save_checkpoint
 from finetune.config import RecipeConfig
 from finetune.distributed import PreemptionSignals
 from finetune.errors import FinetuneError
@@ -160,7 +160,7 @@ class _Saver:
         scheduled = save_every and (step % save_every == 0 or stop)
         if not (scheduled or (saves_last_step(recipe) and step == run.max_steps)):
             return
-        state = TrainerState(
+        state = TrainingState(
             step, epoch, rows_into_epoch, accelerator.num_processes, recipe.model.name_or_path,
             run.scheduler.state_dict(), run.objective_name,
         )  # fmt: skip
@@ -265,7 +265,7 @@ def _on_device(count: torch.Tensor | float, device: torch.device) -> torch.Tenso
 
 
 def _accumulation_windows(
-    loader: DataLoader, accumulation: int, start: TrainerState, rows_per_micro_batch: int, accelerator: Accelerator
+    loader: DataLoader, accumulation: int, start: TrainingState, rows_per_micro_batch: int, accelerator: Accelerator
 ) -> Iterator[tuple[int, int, list[Batch]]]:
     """(epoch, rows of the epoch consumed after this window, micro-batches) for each optimizer step.
 

@@ -1,6 +1,6 @@
 """The training loss: next-token cross-entropy, summed over the target tokens of a batch.
 
-Two paths, chosen by `train.loss`:
+Two paths, chosen by `train.loss_path`:
 
 - `full_logits` (the reference): the model returns logits for every position, they are upcast to
   fp32 and `F.cross_entropy` takes them. For a 128,256-token vocabulary that is 1 GiB per 2,048
@@ -130,9 +130,10 @@ def _flash_attention(implementation: str | None) -> bool:
 
 
 def choose_loss_path(requested: LossPath, model: torch.nn.Module) -> tuple[LossPath, str]:
-    """The loss path this model runs (`train.loss`, unless the model cannot take the chunked one), and the log line."""
+    """The loss path this model runs (`train.loss_path`, unless the model cannot take the chunked one), and its log
+    line."""
     if requested == "full_logits":
-        return "full_logits", "loss: full logits in fp32 (train.loss=full_logits)"
+        return "full_logits", "loss: full logits in fp32 (train.loss_path=full_logits)"
     reason = chunked_loss_unsupported(model)
     if reason is not None:
         return "full_logits", f"loss: full logits in fp32, as chunked cannot run here: {reason}"
@@ -141,7 +142,7 @@ def choose_loss_path(requested: LossPath, model: torch.nn.Module) -> tuple[LossP
     rows = chunk_rows(vocab, head.weight.device)
     return "chunked", (
         f"loss: chunked (logits at target positions only, {rows} rows of {vocab:,} at a time; "
-        "train.loss=full_logits for the reference)"
+        "train.loss_path=full_logits for the reference)"
     )
 
 

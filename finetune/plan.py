@@ -245,7 +245,7 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     # Eager attention materializes each row's n x n scores per head (a packed row's too: its mask is dense).
     scores = tokens * recipe.data.max_length * shape.heads if recipe.model.attn_implementation == "eager" else 0
     activations, checkpointed, selective = (
-        activation_bytes(shape, tokens, compute_bytes, policy, loss=recipe.train.loss, scores=scores)
+        activation_bytes(shape, tokens, compute_bytes, policy, loss=recipe.train.loss_path, scores=scores)
         for policy in ("none", "full", "selective")
     )
     processes_per_host = launch.processes_per_machine
@@ -319,7 +319,7 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
         )
     chosen = estimates[launch.strategy]
     policy = run_policy(chosen, recipe, launch, gpu_memory)
-    if recipe.train.checkpointing == "auto" and not launch.activation_checkpointing:
+    if recipe.train.recompute == "auto" and not launch.activation_checkpointing:
         policy = f"auto, so {policy}"
     lines.append(
         f"activation checkpointing (this run: {policy}), activations per device: none "
@@ -376,8 +376,8 @@ def run_policy(chosen: Estimate, recipe: RecipeConfig, launch: Launch, gpu_memor
     `auto` resolved by `cheapest_policy` on the launch's estimate `chosen`."""
     if launch.activation_checkpointing:
         return "full"
-    if recipe.train.checkpointing != "auto":
-        return recipe.train.checkpointing
+    if recipe.train.recompute != "auto":
+        return recipe.train.recompute
     return cheapest_policy(chosen, gpu_memory)
 
 

@@ -54,10 +54,10 @@ _RECOMPUTED = {
 }
 
 
-def checkpointing_policy(recipe: RecipeConfig, accelerator: Accelerator) -> tuple[Policy, str | None]:
+def recompute_policy(recipe: RecipeConfig, accelerator: Accelerator) -> tuple[Policy, str | None]:
     """The recipe's activation-checkpointing policy, `auto` resolved by the plan's estimate against this
     device's memory (`finetune.plan.cheapest_policy`), and its log line (None for none, asked for)."""
-    requested = recipe.train.checkpointing
+    requested = recipe.train.recompute
     if requested != "auto":
         return (
             requested,

@@ -50,11 +50,11 @@ def train(recipe: RecipeConfig, resume_from: Path | None) -> TrainResult:
         accelerator, output_dir, run.max_steps, recipe.to_dict(), recipe.output.trackers, run.objective.progress_name
     )
     try:
-        seen, preempted = run_steps(run, metrics)
+        data_fingerprint, preempted = run_steps(run, metrics)
         if preempted:
             accelerator.print(f"preempted: checkpoint saved at step {preempted}; resume with checkpoint.resume=auto")
             return TrainResult(output_dir, None)
-        write_rank_report(run, seen)
+        write_rank_report(run, data_fingerprint)
         if recipe.output.export:
             save_final_logits(run.model, accelerator, output_dir / FINAL_LOGITS)
     finally:

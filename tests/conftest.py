@@ -24,7 +24,7 @@ os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALL
 
 
 @dataclass
-class Run:
+class LaunchedRun:
     """A finished `accelerate launch ... -m finetune train` and what it left behind."""
 
     result: subprocess.CompletedProcess
@@ -111,15 +111,15 @@ def recipe_overrides(assets: Path, output_dir: Path, **extra) -> list[str]:
     return [f"{key}={value}" for key, value in values.items()]
 
 
-def _run(tmp_path_factory, assets: Path, name: str, config: str, num_processes: int = 2, **extra) -> Run:
+def _run(tmp_path_factory, assets: Path, name: str, config: str, num_processes: int = 2, **extra) -> LaunchedRun:
     output_dir = tmp_path_factory.mktemp(name) / "out"
     result = launch(config, recipe_overrides(assets, output_dir, **extra), num_processes=num_processes)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return Run(result, output_dir)
+    return LaunchedRun(result, output_dir)
 
 
 @pytest.fixture(scope="session")
-def fsdp2_run(tmp_path_factory, demo_assets) -> Run:
+def fsdp2_run(tmp_path_factory, demo_assets) -> LaunchedRun:
     """FSDP2 full shard, packed chat data, tensorboard tracker on."""
     return _run(
         tmp_path_factory, demo_assets, "fsdp2", "fsdp2_full_shard.yaml", **{"output.trackers": "[tensorboard]"}
@@ -127,7 +127,7 @@ def fsdp2_run(tmp_path_factory, demo_assets) -> Run:
 
 
 @pytest.fixture(scope="session")
-def shard_grad_op_run(tmp_path_factory, demo_assets) -> Run:
+def shard_grad_op_run(tmp_path_factory, demo_assets) -> LaunchedRun:
     """FSDP2 shard-grad-op with gradient accumulation."""
     return _run(
         tmp_path_factory, demo_assets, "sgo", "fsdp2_shard_grad_op.yaml", **{"train.gradient_accumulation_steps": 2}
@@ -135,13 +135,13 @@ def shard_grad_op_run(tmp_path_factory, demo_assets) -> Run:
 
 
 @pytest.fixture(scope="session")
-def fsdp1_run(tmp_path_factory, demo_assets) -> Run:
+def fsdp1_run(tmp_path_factory, demo_assets) -> LaunchedRun:
     """FSDP1 full shard on padded (not packed) batches."""
     return _run(tmp_path_factory, demo_assets, "fsdp1", "fsdp1_full_shard.yaml", **{"data.packing": "false"})
 
 
 @pytest.fixture(scope="session")
-def ddp_run(tmp_path_factory, demo_assets) -> Run:
+def ddp_run(tmp_path_factory, demo_assets) -> LaunchedRun:
     """DDP with gradient accumulation (no_sync on all but the last micro-batch)."""
     return _run(tmp_path_factory, demo_assets, "ddp", "ddp.yaml", **{"train.gradient_accumulation_steps": 2})
 
@@ -157,7 +157,7 @@ CHECKPOINT_SETTINGS = {
 
 
 @pytest.fixture(scope="session")
-def one_process_run(tmp_path_factory, demo_assets) -> Run:
+def one_process_run(tmp_path_factory, demo_assets) -> LaunchedRun:
     """The FSDP2 config on 1 process (a 1-rank group: SHARDED checkpoints), micro-batch 16: the same
     global batch of 16 rows as the 2-process runs of CHECKPOINT_SETTINGS."""
     return _run(
@@ -194,17 +194,17 @@ GPT2_WRAP = ("--fsdp_transformer_layer_cls_to_wrap", "GPT2Block")
 
 
 @pytest.fixture(scope="session")
-def gpt2_run(tmp_path_factory, demo_assets, gpt2_base) -> Run:
+def gpt2_run(tmp_path_factory, demo_assets, gpt2_base) -> LaunchedRun:
     """The tied GPT-2 under FSDP2 full shard on 2 processes: SHARDED checkpoints."""
     output_dir = tmp_path_factory.mktemp("gpt2_run") / "out"
     overrides = recipe_overrides(demo_assets, output_dir, **{"model.name_or_path": gpt2_base})
     result = launch("fsdp2_full_shard.yaml", overrides, launch_args=GPT2_WRAP)
     assert result.returncode == 0, result.stderr[-4000:]
-    return Run(result, output_dir)
+    return LaunchedRun(result, output_dir)
 
 
 @pytest.fixture(scope="session")
-def gpt2_full_one_process_run(tmp_path_factory, demo_assets, gpt2_base) -> Run:
+def gpt2_full_one_process_run(tmp_path_factory, demo_assets, gpt2_base) -> LaunchedRun:
     """The tied GPT-2 on 1 process with the shard-grad-op config: FULL checkpoints."""
     output_dir = tmp_path_factory.mktemp("gpt2_full") / "out"
     overrides = recipe_overrides(
@@ -212,7 +212,7 @@ def gpt2_full_one_process_run(tmp_path_factory, demo_assets, gpt2_base) -> Run:
     )
     result = launch("fsdp2_shard_grad_op.yaml", overrides, num_processes=1, launch_args=GPT2_WRAP)
     assert result.returncode == 0, result.stderr[-4000:]
-    return Run(result, output_dir)
+    return LaunchedRun(result, output_dir)
 
 
 def per_sample_eval_loss(model, tokenizer, eval_path: Path) -> float:

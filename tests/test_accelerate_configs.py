@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
-from conftest import CHECKPOINT_SETTINGS, CONFIGS, Run, launch, recipe_overrides
+from conftest import CHECKPOINT_SETTINGS, CONFIGS, LaunchedRun, launch, recipe_overrides
 
 CONFIG_FILES = sorted(CONFIGS.glob("*.yaml"))
 FSDP1_VOCABULARY = (
@@ -54,7 +54,7 @@ def test_configs_cover_the_strategies():
 @pytest.mark.multiprocess
 def test_offload_config_trains_on_cpu(tmp_path, demo_assets):
     """CPU offload plus activation checkpointing from the accelerate config, on 2 processes."""
-    run = Run(launch("fsdp2_offload.yaml", recipe_overrides(demo_assets, tmp_path / "out")), tmp_path / "out")
+    run = LaunchedRun(launch("fsdp2_offload.yaml", recipe_overrides(demo_assets, tmp_path / "out")), tmp_path / "out")
     assert run.result.returncode == 0, run.result.stderr[-4000:]
     assert "FSDP2 (reshard_after_forward=True, CPU offload) over 2 processes" in run.log
     assert "CheckpointWrapper" in run.log  # activation checkpointing was applied
@@ -73,7 +73,7 @@ def test_single_gpu_config_trains_as_fsdp2_on_one_process_and_refuses_its_checkp
 
     settings = {**CHECKPOINT_SETTINGS, "train.micro_batch_size": 16}  # one_process_run's
     out = tmp_path / "out"
-    run = Run(launch("single_gpu.yaml", recipe_overrides(demo_assets, out, **settings), num_processes=1), out)
+    run = LaunchedRun(launch("single_gpu.yaml", recipe_overrides(demo_assets, out, **settings), num_processes=1), out)
     assert run.result.returncode == 0, run.result.stderr[-4000:]
     assert "strategy: single process (no sharding)" in run.log
     (report,) = run.rank_reports()

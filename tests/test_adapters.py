@@ -19,7 +19,7 @@ from conftest import (
     CONFIGS,
     DEMO_RECIPE,
     REPO,
-    Run,
+    LaunchedRun,
     _run,
     flip_one_weight_between_samples,
     launch,
@@ -52,7 +52,7 @@ LORA = {
 
 
 @pytest.fixture(scope="module")
-def lora_run(tmp_path_factory, demo_assets) -> Run:
+def lora_run(tmp_path_factory, demo_assets) -> LaunchedRun:
     """LoRA under FSDP2 full shard on 2 processes: checkpoints at steps 4, 6 and 8, the adapter exported."""
     return _run(tmp_path_factory, demo_assets, "lora", "fsdp2_full_shard.yaml", **LORA)
 
@@ -121,7 +121,7 @@ def test_resume_is_exact_on_two_processes_and_on_one(lora_run, demo_assets, tmp_
             "fsdp2_full_shard.yaml", recipe_overrides(demo_assets, output_dir, **overrides), num_processes=processes
         )
         assert result.returncode == 0, result.stderr[-4000:]
-        resumed = Run(result, output_dir)
+        resumed = LaunchedRun(result, output_dir)
         losses = {m["step"]: m["loss"] for m in resumed.metrics() if "loss" in m}
         assert sorted(losses) == [5, 6, 7, 8]
         for step, loss in losses.items():
@@ -143,7 +143,7 @@ def test_lora_under_shard_grad_op_and_cpu_offload_trains_as_under_full_shard(
 ):
     result = launch(config, recipe_overrides(demo_assets, tmp_path / "out", **LORA), launch_args=launch_args)
     assert result.returncode == 0, result.stderr[-4000:]
-    losses = {m["step"]: m["loss"] for m in Run(result, tmp_path / "out").metrics() if "loss" in m}
+    losses = {m["step"]: m["loss"] for m in LaunchedRun(result, tmp_path / "out").metrics() if "loss" in m}
     expected = {m["step"]: m["loss"] for m in lora_run.metrics() if "loss" in m}
     assert sorted(losses) == sorted(expected) == list(range(1, 9))
     for step, loss in losses.items():
@@ -151,7 +151,7 @@ def test_lora_under_shard_grad_op_and_cpu_offload_trains_as_under_full_shard(
 
 
 @pytest.fixture(scope="module")
-def dora_run(tmp_path_factory, demo_assets) -> Run:
+def dora_run(tmp_path_factory, demo_assets) -> LaunchedRun:
     """DoRA on every linear layer plus a fully trained lm_head, under DDP, exported merged at the end too."""
     return _run(
         tmp_path_factory, demo_assets, "dora_ddp", "ddp.yaml",
@@ -175,7 +175,7 @@ def test_dora_under_ddp_trains_and_exports(dora_run, lora_run):
 @pytest.mark.parametrize("run_name", ["lora_run", "dora_run"])
 def test_merged_export_is_bit_identical_to_peft_merge_and_unload(run_name, request, demo_assets, tmp_path):
     """Streamed from the base's files one shard at a time, with PEFT's arithmetic: the same bits in fp32."""
-    run: Run = request.getfixturevalue(run_name)
+    run: LaunchedRun = request.getfixturevalue(run_name)
     merged = run.output_dir / "final_merged"
     if not merged.exists():  # the LoRA run did not ask for it at the end of training: export it now
         merged = tmp_path / "merged"
@@ -205,14 +205,14 @@ QLORA = {**LORA, "peft.quantization": "nf4", "peft.target_modules": "[all-linear
 
 
 @pytest.fixture(scope="module")
-def qlora_run(tmp_path_factory, demo_assets) -> Run:
+def qlora_run(tmp_path_factory, demo_assets) -> LaunchedRun:
     """QLoRA under FSDP2 on 2 processes in fp32 (4-bit weights packed in fp32 storage), merged at the end."""
     return _run(
         tmp_path_factory, demo_assets, "qlora", "fsdp2_full_shard.yaml", **QLORA, **{"output.export_merged": "true"}
     )
 
 
-def per_rank(run: Run, key: str) -> list[int]:
+def per_rank(run: LaunchedRun, key: str) -> list[int]:
     (entry,) = [m for m in run.metrics() if "memory/rank0/parameters" in m]
     return [entry[f"memory/rank{rank}/{key}"] for rank in (0, 1)]
 
@@ -277,7 +277,7 @@ def test_qlora_trains_with_bf16_storage_under_bf16_mixed_precision(tmp_path, dem
         launch_args=("--mixed_precision", "bf16"),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
-    run = Run(result, tmp_path / "out")
+    run = LaunchedRun(result, tmp_path / "out")
     assert "frozen base in bfloat16, its linear weights in 4 bits (nf4, packed in bfloat16 storage" in run.log
     assert "compute in bfloat16" in run.log and all(math.isfinite(loss) for loss in run.losses())
     assert per_rank(run, "parameters")[0] == pytest.approx(per_rank(run, "parameters")[1], rel=0.1)
@@ -288,7 +288,7 @@ def test_qlora_trains_with_bf16_storage_under_bf16_mixed_precision(tmp_path, dem
 def test_plan_counts_adapter_state_as_measured(run_name, request):
     """`finetune plan`'s parameter, gradient and AdamW figures for an adapter recipe (QLoRA: its 4-bit base),
     against the run's own report."""
-    run: Run = request.getfixturevalue(run_name)
+    run: LaunchedRun = request.getfixturevalue(run_name)
     recipe = load_recipe(run.output_dir / "recipe.yaml")
     launch = dataclasses.replace(read_launch(CONFIGS / "fsdp2_full_shard.yaml", 2, 1), mixed_precision="no")
     shape = model_shape(planned_model(recipe))
@@ -413,7 +413,7 @@ def test_a_base_saved_quantized_trains_adapters_as_it_is_and_nothing_else(demo_a
     result = launch("fsdp2_full_shard.yaml", recipe_overrides(demo_assets, output_dir, **overrides))
     assert result.returncode == 0, result.stderr[-4000:]
     assert "its linear weights in 4 bits (nf4, packed in uint8 storage" in result.stdout + result.stderr
-    losses = Run(result, output_dir).losses()
+    losses = LaunchedRun(result, output_dir).losses()
     assert len(losses) == 4 and losses[-1] < losses[0]
     script = (
         "import sys, torch; from peft import PeftModel; from safetensors.torch import load_file; "
@@ -475,7 +475,7 @@ def test_qlora_under_bf16_compute_packs_its_weights_in_bf16_whatever_model_dtype
     assert result.returncode == 0, result.stderr[-4000:]
     log = result.stdout + result.stderr
     assert "its linear weights in 4 bits (nf4, packed in bfloat16 storage" in log and "compute in bfloat16" in log
-    losses = Run(result, tmp_path / "out").losses()
+    losses = LaunchedRun(result, tmp_path / "out").losses()
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
 
 

@@ -279,14 +279,14 @@ HASH_TEMPLATE = r"""{{- bos_token }}
 def test_a_recipe_chat_template_trains_and_travels_with_the_export(demo_assets, tmp_path):
     """data.chat_template from a file replaces the tokenizer's; the exported folder carries it, so a reload
     renders prompts exactly as training rendered them."""
-    from conftest import Run, launch, recipe_overrides
+    from conftest import LaunchedRun, launch, recipe_overrides
 
     template = tmp_path / "hash.jinja"
     template.write_text(HASH_TEMPLATE)
     overrides = {"data.chat_template": template, "train.max_steps": 2, "train.eval_every_steps": 0}
     result = launch("fsdp2_full_shard.yaml", recipe_overrides(demo_assets, tmp_path / "out", **overrides))
     assert result.returncode == 0, result.stderr[-4000:]
-    run = Run(result, tmp_path / "out")
+    run = LaunchedRun(result, tmp_path / "out")
     exported = AutoTokenizer.from_pretrained(run.output_dir / "final")
     assert exported.chat_template == HASH_TEMPLATE
     messages = turns(("user", "reverse: 1 2"), ("assistant", "2 1"))

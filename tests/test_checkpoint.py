@@ -11,10 +11,19 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CHECKPOINT_SETTINGS, CONFIGS, DEMO_RECIPE, REPO, Run, launch, recipe_overrides, signal_launch
+from conftest import (
+    CHECKPOINT_SETTINGS,
+    CONFIGS,
+    DEMO_RECIPE,
+    REPO,
+    LaunchedRun,
+    launch,
+    recipe_overrides,
+    signal_launch,
+)
 from safetensors.torch import load_file
 
-from finetune.checkpoint import MARKER, TrainerState, load_checkpoint, recipe_changes, resolve_resume
+from finetune.checkpoint import MARKER, TrainingState, load_checkpoint, recipe_changes, resolve_resume
 from finetune.config import load_recipe, save_recipe
 from finetune.errors import FinetuneError
 
@@ -23,27 +32,27 @@ pytestmark = pytest.mark.multiprocess
 SETTINGS = CHECKPOINT_SETTINGS
 
 
-def run_with(assets, output_dir, processes=2, config="fsdp2_full_shard.yaml", **extra) -> Run:
+def run_with(assets, output_dir, processes=2, config="fsdp2_full_shard.yaml", **extra) -> LaunchedRun:
     result = launch(config, recipe_overrides(assets, output_dir, **{**SETTINGS, **extra}), num_processes=processes)
     assert result.returncode == 0, result.stderr[-4000:]
-    return Run(result, output_dir)
+    return LaunchedRun(result, output_dir)
 
 
-def losses_by_step(run: Run) -> dict[int, float]:
+def losses_by_step(run: LaunchedRun) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in run.metrics() if "loss" in m}
 
 
-def max_weight_difference(a: Run, b: Run) -> float:
+def max_weight_difference(a: LaunchedRun, b: LaunchedRun) -> float:
     wa, wb = (load_file(r.output_dir / "final" / "model.safetensors") for r in (a, b))
     return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, demo_assets) -> Run:
+def uninterrupted(tmp_path_factory, demo_assets) -> LaunchedRun:
     return run_with(demo_assets, tmp_path_factory.mktemp("full") / "out")
 
 
-def resume_from_step_6(run: Run, tmp_path) -> Path:
+def resume_from_step_6(run: LaunchedRun, tmp_path) -> Path:
     """A new output dir holding only the step 6 checkpoint of `run`, plus an incomplete step 7 (a save that died)."""
     output_dir = tmp_path / "out"
     shutil.copytree(run.output_dir / "checkpoints" / "step_6", output_dir / "checkpoints" / "step_6")
@@ -222,7 +231,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_cleanly(demo_assets, tmp_path)
     assert process.returncode == 0, output[-3000:]
     assert "preempted: checkpoint saved at step" in output
     (checkpoint,) = (output_dir / "checkpoints").iterdir()
-    state = TrainerState(**json.loads((checkpoint / "trainer_state.json").read_text()))
+    state = TrainingState(**json.loads((checkpoint / "trainer_state.json").read_text()))
     assert 3 <= state.step < 2000 and (checkpoint / MARKER).exists()
     assert resolve_resume("auto", output_dir) == checkpoint
     assert not (output_dir / "final").exists()

@@ -53,13 +53,13 @@ def test_regional_compilation_has_no_graph_break_recompiles_nothing_and_trains_a
 def test_regional_compilation_under_fsdp2_and_checkpointing_trains_as_eager(fsdp2_run, demo_assets, tmp_path):
     """Two processes over gloo: FSDP2 full shard with accelerate's activation checkpointing and regional
     compilation gives the eager run's losses."""
-    from conftest import Run, launch, recipe_overrides
+    from conftest import LaunchedRun, launch, recipe_overrides
 
     output_dir = tmp_path / "out"
     flags = ("--fsdp_activation_checkpointing", "true", "--dynamo_backend", "aot_eager",
              "--dynamo_use_regional_compilation")  # fmt: skip
     result = launch("fsdp2_full_shard.yaml", recipe_overrides(demo_assets, output_dir), launch_args=flags)
     assert result.returncode == 0, result.stderr[-4000:]
-    compiled = Run(result, output_dir)
+    compiled = LaunchedRun(result, output_dir)
     assert "compile: aot_eager, regional (" in compiled.log and "(0 modules" not in compiled.log
     torch.testing.assert_close(compiled.losses(), fsdp2_run.losses(), rtol=1e-5, atol=1e-6)

@@ -197,3 +197,13 @@ def test_check_and_training_refuse_the_same_launches(config, overrides, message)
         **({"FSDP_STATE_DICT_TYPE": fsdp["fsdp_state_dict_type"]} if "fsdp_state_dict_type" in fsdp else {}),
     }
     assert any(re.search(message, problem) for problem in environment_problems(recipe, environ))
+
+
+def test_a_renamed_key_keeps_working_with_a_note_naming_the_new_one(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    recipe = load_recipe(write(tmp_path, MINIMAL), ["train.loss=full_logits"])
+    assert recipe.train.loss_path == "full_logits"
+    assert "note: train.loss is now train.loss_path; read as such" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "1")  # said once per launch, by rank 0
+    load_recipe(write(tmp_path, MINIMAL), ["train.loss=full_logits"])
+    assert capsys.readouterr().err == ""

@@ -7,7 +7,7 @@ must give the same final weights on 1 process and on 2 under every strategy.
 from __future__ import annotations
 
 import pytest
-from conftest import Run, launch, recipe_overrides
+from conftest import LaunchedRun, launch, recipe_overrides
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.multiprocess
@@ -37,7 +37,7 @@ def train_split(tmp_path_factory, assets, name, config, processes, micro_batch, 
             "optim.lr": "1e-3",
         },
     )
-    run = Run(launch(config, overrides, num_processes=processes), output_dir)
+    run = LaunchedRun(launch(config, overrides, num_processes=processes), output_dir)
     assert run.result.returncode == 0, run.result.stderr[-4000:]
     return load_file(output_dir / "final" / "model.safetensors")
 

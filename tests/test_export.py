@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, Run
+from conftest import REPO, LaunchedRun
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -52,13 +52,13 @@ def max_logits_difference(run_dir: Path, folder: Path, dtype=torch.float32) -> f
     return (logits - reference["logits"]).abs().max().item()
 
 
-def last_checkpoint(run: Run) -> Path:
+def last_checkpoint(run: LaunchedRun) -> Path:
     return sorted((run.output_dir / "checkpoints").iterdir(), key=lambda p: int(p.name.split("_")[1]))[-1]
 
 
 @pytest.mark.parametrize("run_name", RUNS)
 def test_end_of_training_export_gives_the_trained_models_logits(run_name, request):
-    run: Run = request.getfixturevalue(run_name)
+    run: LaunchedRun = request.getfixturevalue(run_name)
     final = run.output_dir / "final"
     assert {"config.json", "generation_config.json", "tokenizer.json", "model.safetensors"} <= {
         p.name for p in final.iterdir()
@@ -69,7 +69,7 @@ def test_end_of_training_export_gives_the_trained_models_logits(run_name, reques
 
 @pytest.mark.parametrize("run_name", ["fsdp2_run", "shard_grad_op_run", "gpt2_full_one_process_run"])
 def test_export_command_writes_sharded_bf16_safetensors(run_name, request, tmp_path):
-    run: Run = request.getfixturevalue(run_name)
+    run: LaunchedRun = request.getfixturevalue(run_name)
     out = tmp_path / "exported"
     result = export(last_checkpoint(run), out, "--dtype", "bf16", "--max-shard-size", "100KB")
     assert result.returncode == 0, result.stderr[-3000:]

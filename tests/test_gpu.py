@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import Run, launch, recipe_overrides
+from conftest import LaunchedRun, launch, recipe_overrides
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -30,14 +30,14 @@ SETTINGS = {
 }
 
 
-def run_on_gpu(config: str, assets, output_dir, **extra) -> Run:
+def run_on_gpu(config: str, assets, output_dir, **extra) -> LaunchedRun:
     result = launch(config, recipe_overrides(assets, output_dir, **{**SETTINGS, **extra}), num_processes=1,
                     launch_args=BF16)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return Run(result, output_dir)
+    return LaunchedRun(result, output_dir)
 
 
-def losses_by_step(run: Run) -> dict[int, float]:
+def losses_by_step(run: LaunchedRun) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in run.metrics() if "loss" in m}
 
 
@@ -53,7 +53,7 @@ def reloaded_logits(folder, reference: dict) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def gpu_run(tmp_path_factory, demo_assets) -> Run:
+def gpu_run(tmp_path_factory, demo_assets) -> LaunchedRun:
     """FSDP2 on one GPU, bf16 mixed precision, async checkpoints at steps 4 and 8, exported."""
     output_dir = tmp_path_factory.mktemp("gpu") / "out"
     return run_on_gpu("fsdp2_full_shard.yaml", demo_assets, output_dir, **{"checkpoint.async_save": "true"})

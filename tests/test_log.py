@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import Run
+from conftest import LaunchedRun
 
 pytestmark = pytest.mark.multiprocess
 
@@ -20,7 +20,7 @@ ALLOWED = [
 ]  # fmt: skip
 
 
-def log_lines(run: Run) -> list[str]:
+def log_lines(run: LaunchedRun) -> list[str]:
     """The lines a terminal shows at some point (progress bars redraw with carriage returns)."""
     return [line for line in re.split(r"[\r\n]", run.log) if line.strip()]
 
@@ -37,14 +37,14 @@ def test_a_normal_run_prints_only_its_own_lines(fsdp2_run):
 def test_verbose_leaves_the_libraries_as_they_are(monkeypatch):
     import logging
 
-    from finetune import chatter
+    from finetune import quiet
 
-    monkeypatch.setenv(chatter.VERBOSE, "1")
+    monkeypatch.setenv(quiet.VERBOSE, "1")
     accelerate = logging.getLogger("accelerate")
     level = accelerate.level
-    chatter.quiet_libraries()
+    quiet.quiet_libraries()
     assert accelerate.level == level
-    with chatter.no_datasets_bars():
+    with quiet.no_datasets_bars():
         import datasets
 
         assert datasets.is_progress_bar_enabled()

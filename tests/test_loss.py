@@ -144,12 +144,12 @@ def test_models_whose_logits_are_more_than_a_projection_keep_the_reference():
 @pytest.mark.multiprocess
 def test_under_fsdp2_the_chunked_loss_trains_as_the_reference(fsdp2_run, demo_assets, tmp_path):
     """Two processes over gloo, FSDP2 full shard (the head's parameters gathered by the root's hooks, as
-    the loss runs inside the model's forward): the default chunked loss and train.loss=full_logits give
+    the loss runs inside the model's forward): the default chunked loss and train.loss_path=full_logits give
     the same training and evaluation losses, and the log says which ran. The reference run also takes
     the varlen attention path (one launch for two levers: it differs from the default run in both, so an
     error in either shows), asks for `auto` activation checkpointing, which is none on CPU, and records
     steps 3-4 with the profiler (which must not change what is computed)."""
-    from conftest import Run, launch, recipe_overrides
+    from conftest import LaunchedRun, launch, recipe_overrides
 
     output_dir = tmp_path / "out"
     result = launch(
@@ -158,7 +158,7 @@ def test_under_fsdp2_the_chunked_loss_trains_as_the_reference(fsdp2_run, demo_as
             demo_assets,
             output_dir,
             **{
-                "train.loss": "full_logits",
+                "train.loss_path": "full_logits",
                 "model.attn_implementation": "varlen",
                 "train.activation_checkpointing": "auto",
                 "train.profile_steps": "[3,4]",
@@ -166,7 +166,7 @@ def test_under_fsdp2_the_chunked_loss_trains_as_the_reference(fsdp2_run, demo_as
         ),
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    reference = Run(result, output_dir)
+    reference = LaunchedRun(result, output_dir)
     assert f"profile: steps 3-4 recorded to {output_dir / 'profile'}" in reference.log
     for rank in (0, 1):  # every process's trace holds the two steps, spans named by the run's step numbers
         trace = json.loads((output_dir / "profile" / f"rank{rank}.trace.json").read_text())
@@ -177,7 +177,7 @@ def test_under_fsdp2_the_chunked_loss_trains_as_the_reference(fsdp2_run, demo_as
         "rank0.trace.json", "rank0.txt", "rank1.trace.json", "rank1.txt"
     ]  # fmt: skip
     assert "loss: chunked (logits at target positions only" in fsdp2_run.log
-    assert "loss: full logits in fp32 (train.loss=full_logits)" in reference.log
+    assert "loss: full logits in fp32 (train.loss_path=full_logits)" in reference.log
     assert "attention: sdpa (packed rows: block-causal mask" in fsdp2_run.log
     assert "attention: varlen, packed rows by their sample boundaries (SDPA once per sample)" in reference.log
     assert "activation checkpointing: auto, so none (cpu: no device memory to fit;" in reference.log

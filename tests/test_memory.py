@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import pytest
-from conftest import Run, launch, recipe_overrides
+from conftest import LaunchedRun, launch, recipe_overrides
 
 from finetune.memory import FIELDS
 
 pytestmark = pytest.mark.multiprocess
 
 
-def memory(run: Run) -> list[dict]:
+def memory(run: LaunchedRun) -> list[dict]:
     """Per-rank bytes from the step-1 memory metrics."""
     (entry,) = [m for m in run.metrics() if "memory/rank0/parameters" in m]
     assert entry["step"] == 1
     return [{name: entry[f"memory/rank{rank}/{name}"] for name in FIELDS} for rank in (0, 1)]
 
 
-def dtypes(run: Run) -> dict[str, str]:
+def dtypes(run: LaunchedRun) -> dict[str, str]:
     (entry,) = [m for m in run.metrics() if "dtype/parameters" in m]
     return {key.removeprefix("dtype/"): value for key, value in entry.items() if key.startswith("dtype/")}
 
@@ -58,14 +58,14 @@ def test_ddp_holds_everything_on_every_rank(ddp_run):
 
 
 @pytest.fixture(scope="module")
-def bf16_mixed_run(tmp_path_factory, demo_assets) -> Run:
+def bf16_mixed_run(tmp_path_factory, demo_assets) -> LaunchedRun:
     """fp32 parameters, bf16 compute: `--mixed_precision bf16` (the last flag wins over the fixture's `no`)."""
     output_dir = tmp_path_factory.mktemp("bf16_mixed") / "out"
     result = launch(
         "fsdp2_full_shard.yaml", recipe_overrides(demo_assets, output_dir), launch_args=("--mixed_precision", "bf16")
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    return Run(result, output_dir)
+    return LaunchedRun(result, output_dir)
 
 
 def test_bf16_mixed_keeps_fp32_master_state_and_reduces_in_fp32(bf16_mixed_run, fsdp2_run):
@@ -91,7 +91,7 @@ def test_pure_bf16_is_chosen_by_the_recipe(tmp_path, demo_assets):
     )
     result = launch("fsdp2_full_shard.yaml", overrides)
     assert result.returncode == 0, result.stderr[-4000:]
-    run = Run(result, output_dir)
+    run = LaunchedRun(result, output_dir)
     assert "precision: bfloat16 throughout" in run.log
     assert set(dtypes(run).values()) == {"bfloat16"}
 
@@ -115,7 +115,7 @@ def test_activation_checkpointing_lowers_peak_memory_with_the_same_loss(tmp_path
         )
         result = launch("fsdp2_full_shard.yaml", overrides)
         assert result.returncode == 0, result.stderr[-4000:]
-        runs[checkpointing] = Run(result, output_dir)
+        runs[checkpointing] = LaunchedRun(result, output_dir)
     plain, checkpointed = runs["false"], runs["true"]
     for a, b in zip(memory(plain), memory(checkpointed), strict=True):
         # Saved-for-backward bytes are exact; the step peak is process RSS, so allow for other

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import DEMO_RECIPE, REPO, Run, launch, recipe_overrides
+from conftest import DEMO_RECIPE, REPO, LaunchedRun, launch, recipe_overrides
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_export import max_logits_difference
@@ -282,18 +282,18 @@ GPT_OSS = {"model.attn_implementation": "eager", "data.packing": "false"}
 WRAP = {"qwen3_moe": "Qwen3MoeDecoderLayer", "mixtral": "MixtralDecoderLayer", "gpt_oss": "GptOssDecoderLayer"}
 
 
-def _moe_run(tmp_path_factory, assets: Path, base: Path, name: str, num_processes: int, **extra) -> Run:
+def _moe_run(tmp_path_factory, assets: Path, base: Path, name: str, num_processes: int, **extra) -> LaunchedRun:
     output_dir = tmp_path_factory.mktemp(name) / "out"
     values = {"model.name_or_path": base, "train.micro_batch_size": 4, **MOE_SETTINGS, **extra}
     wrap = ("--fsdp_transformer_layer_cls_to_wrap", WRAP[json.loads((base / "config.json").read_text())["model_type"]])
     overrides = recipe_overrides(assets, output_dir, **values)
     result = launch("fsdp2_full_shard.yaml", overrides, num_processes=num_processes, launch_args=wrap)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return Run(result, output_dir)
+    return LaunchedRun(result, output_dir)
 
 
 @pytest.fixture(scope="module")
-def moe_run(tmp_path_factory, demo_assets, moe_bases) -> Run:
+def moe_run(tmp_path_factory, demo_assets, moe_bases) -> LaunchedRun:
     """Qwen3-MoE (3 experts: uneven shards), full fine-tuning, 2 processes x 2 micro-batches of 4 rows, balancing
     loss at the model's 0.001."""
     return _moe_run(
@@ -302,7 +302,7 @@ def moe_run(tmp_path_factory, demo_assets, moe_bases) -> Run:
 
 
 @pytest.fixture(scope="module")
-def moe_one_process_run(tmp_path_factory, demo_assets, moe_bases) -> Run:
+def moe_one_process_run(tmp_path_factory, demo_assets, moe_bases) -> LaunchedRun:
     """The same global batches as moe_run, split into the same 4 micro-batches, on 1 process."""
     return _moe_run(
         tmp_path_factory, demo_assets, moe_bases["qwen3_moe"], "moe1", 1, **{"train.gradient_accumulation_steps": 4}

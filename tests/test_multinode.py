@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, DEMO_RECIPE, GPT2_WRAP, REPO, Run, launch, recipe_overrides
+from conftest import CONFIGS, DEMO_RECIPE, GPT2_WRAP, REPO, LaunchedRun, launch, recipe_overrides
 from safetensors.torch import load_file
 from test_export import max_logits_difference
 from transformers import AutoModelForCausalLM
@@ -67,7 +67,7 @@ def test_two_machines_through_make_train_like_one(tmp_path, demo_assets, fsdp2_r
     ]  # fmt: skip
     for result in run_machines(commands, [REPO, REPO]):
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    run = Run(commands, out)
+    run = LaunchedRun(commands, out)
     assert run.losses() == pytest.approx(fsdp2_run.losses(), abs=1e-6)
     assert [r["numel_local"] for r in run.rank_reports()] == [r["numel_local"] for r in fsdp2_run.rank_reports()]
     assert (out / "checkpoints" / "step_16" / "COMPLETE").exists()
@@ -113,7 +113,7 @@ def test_hybrid_sharding_on_a_2x2_mesh(tmp_path, demo_assets, fsdp2_run):
     )
     result = launch("hybrid_shard.yaml", overrides, num_processes=4, launch_args=args)
     assert result.returncode == 0, result.stderr[-5000:]
-    run = Run(result, out)
+    run = LaunchedRun(result, out)
     assert "hybrid: 2 replicas x 2-process shard groups" in run.log
     reports = run.rank_reports()
     units = [u for r in reports for u in r["units"] if u["numel_global"]]  # the root holds no parameter
@@ -153,7 +153,7 @@ def test_rank_zero_loading_starts_from_exactly_the_pretrained_weights(tmp_path, 
     )
     result = launch("single_node.yaml", overrides)
     assert result.returncode == 0, result.stderr[-5000:]
-    started_on_meta = [r["started_on_meta_device"] for r in Run(result, out).rank_reports()]
+    started_on_meta = [r["started_on_meta_device"] for r in LaunchedRun(result, out).rank_reports()]
     assert started_on_meta == [False, True]
     base = AutoModelForCausalLM.from_pretrained(demo_assets / "base").state_dict()
     trained = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
@@ -174,7 +174,7 @@ def test_rank_zero_loading_keeps_tied_weights_tied(tmp_path, demo_assets, gpt2_b
     result = launch("multi_node.yaml", overrides, launch_args=(*GPT2_WRAP, "--num_machines", "1"))
     assert result.returncode == 0, result.stderr[-5000:]
     assert "checkpointed by transformers, which replays the dropout masks" in result.stdout
-    run = Run(result, out)
+    run = LaunchedRun(result, out)
     assert [r["started_on_meta_device"] for r in run.rank_reports()] == [False, True]
     assert run.losses() == pytest.approx(gpt2_run.losses(), abs=1e-5)
     assert max_logits_difference(out, out / "final") < 1e-5

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 import yaml
-from conftest import Run, per_sample_eval_loss
+from conftest import LaunchedRun, per_sample_eval_loss
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 pytestmark = pytest.mark.multiprocess
@@ -110,7 +110,7 @@ def test_export_reloads_and_reproduces_eval_loss(run_name, request, demo_assets)
     The reference scores each eval sample on its own, so for the packed runs this also shows that
     attention inside a packed row did not cross sample boundaries.
     """
-    run: Run = request.getfixturevalue(run_name)
+    run: LaunchedRun = request.getfixturevalue(run_name)
     final = run.output_dir / "final"
     assert not (run.output_dir / "final.partial").exists()
     model = AutoModelForCausalLM.from_pretrained(final).eval()

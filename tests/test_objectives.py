@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import DEMO_RECIPE, Run, _run, recipe_overrides
+from conftest import DEMO_RECIPE, LaunchedRun, _run, recipe_overrides
 from custom_objective import WeightedTokens, eos_heavy
 
 from finetune.build import preflight
@@ -17,7 +17,7 @@ from finetune.errors import FinetuneError
 
 
 @pytest.fixture(scope="module")
-def custom_objective_run(tmp_path_factory, demo_assets) -> Run:
+def custom_objective_run(tmp_path_factory, demo_assets) -> LaunchedRun:
     """fsdp2_run's launch, with every target token weighted 1 by an objective of the tests' own."""
     objective = {"train.objective": "tests.custom_objective:uniform", "output.trackers": "[tensorboard]"}
     return _run(tmp_path_factory, demo_assets, "custom", "fsdp2_full_shard.yaml", **objective)

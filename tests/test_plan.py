@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CONFIGS, DEMO_RECIPE, REPO, Run
+from conftest import CONFIGS, DEMO_RECIPE, REPO, LaunchedRun
 
 from finetune.config import ModelConfig, load_recipe
 from finetune.errors import FinetuneError
@@ -18,7 +18,7 @@ from finetune.plan import activation_bytes, estimate, model_shape, parse_memory
 pytestmark = pytest.mark.multiprocess
 
 
-def planned(run: Run, config: str):
+def planned(run: LaunchedRun, config: str):
     recipe = load_recipe(run.output_dir / "recipe.yaml")
     launch = dataclasses.replace(read_launch(CONFIGS / config, 2, 1), mixed_precision="no")  # the runs use fp32
     from transformers import AutoConfig
@@ -27,7 +27,7 @@ def planned(run: Run, config: str):
     return shape, recipe, launch
 
 
-def measured(run: Run) -> dict:
+def measured(run: LaunchedRun) -> dict:
     (entry,) = [m for m in run.metrics() if "memory/rank0/parameters" in m]
     return {key.removeprefix("memory/rank0/"): value for key, value in entry.items() if key.startswith("memory/rank0")}
 
@@ -41,7 +41,7 @@ def measured(run: Run) -> dict:
     ],
 )
 def test_plan_matches_the_measured_state_bytes(run_name, config, request):
-    run: Run = request.getfixturevalue(run_name)
+    run: LaunchedRun = request.getfixturevalue(run_name)
     shape, recipe, launch = planned(run, config)
     assert launch.strategy == {"fsdp2_run": "full_shard", "shard_grad_op_run": "shard_grad_op"}.get(run_name, "ddp")
     plan = estimate(shape, recipe, launch, launch.strategy)

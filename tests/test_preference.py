@@ -15,7 +15,7 @@ import datasets
 import pytest
 import torch
 import yaml
-from conftest import DEMO_RECIPE, REPO, Run, launch, recipe_overrides
+from conftest import DEMO_RECIPE, REPO, LaunchedRun, launch, recipe_overrides
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -435,17 +435,17 @@ DPO = {
 
 def preference_run(
     tmp_path, assets, config="fsdp2_full_shard.yaml", processes=2, launch_args: tuple[str, ...] = (), **extra
-) -> Run:
+) -> LaunchedRun:
     output_dir = tmp_path / "out"
     values = {key: str(value).format(assets=assets) for key, value in {**DPO, **extra}.items()}
     overrides = recipe_overrides(assets, output_dir, **values)
     result = launch(config, overrides, num_processes=processes, launch_args=launch_args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return Run(result, output_dir)
+    return LaunchedRun(result, output_dir)
 
 
 @pytest.fixture(scope="module")
-def dpo_run(tmp_path_factory, demo_assets) -> Run:
+def dpo_run(tmp_path_factory, demo_assets) -> LaunchedRun:
     """Full DPO under FSDP2 on 2 processes: precomputed reference, packed pairs, 8 steps of 8 pairs."""
     return preference_run(tmp_path_factory.mktemp("dpo"), demo_assets)
 
@@ -536,7 +536,7 @@ def test_a_resume_without_its_reference_or_from_a_supervised_checkpoint_is_refus
 
 
 @pytest.fixture(scope="module")
-def lora_dpo_run(tmp_path_factory, demo_assets) -> Run:
+def lora_dpo_run(tmp_path_factory, demo_assets) -> LaunchedRun:
     """DPO with LoRA adapters under FSDP2 on 2 processes: the reference is the model with its adapters off."""
     return preference_run(tmp_path_factory.mktemp("lora_dpo"), demo_assets, **{
         "peft.r": 8, "train.max_steps": 4, "checkpoint.save_every_steps": 0, "train.eval_every_steps": 0,

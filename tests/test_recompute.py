@@ -70,7 +70,7 @@ def test_the_recipe_policy_reaches_the_model(demo_assets):
         ("full", "full"),
         ("selective", "selective"),
     ):
-        assert TrainConfig(micro_batch_size=1, activation_checkpointing=value).checkpointing == policy
+        assert TrainConfig(micro_batch_size=1, activation_checkpointing=value).recompute == policy
         model = load_model(ModelConfig(name_or_path=str(demo_assets / "base")), policy)
         assert model.is_activation_checkpointing == (policy != "none")
         if policy != "none":

@@ -25,7 +25,6 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from finetune.chatter import no_datasets_bars
 from finetune.config import DataConfig, SourceConfig
 from finetune.data.chat import encode_chats
 from finetune.data.pack import WINDOW, collate_packed, collate_padded, pack
@@ -42,6 +41,7 @@ from finetune.data.sources import (
 from finetune.data.tokenize import IGNORE, check_invalid_share, detect_format, tokenize
 from finetune.distributed import main_process_first
 from finetune.errors import FinetuneError
+from finetune.quiet import no_datasets_bars
 
 __all__ = [
     "IGNORE", "Data", "DataStats", "build_data", "check_sources", "collate_packed", "collate_padded",

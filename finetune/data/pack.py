@@ -11,7 +11,7 @@ import torch
 
 from finetune.attention import cumulative_lengths
 from finetune.batch import IGNORE, Batch, kept_positions
-from finetune.chatter import no_datasets_bars
+from finetune.quiet import no_datasets_bars
 
 WINDOW = 2000
 """Samples packed together: each window of the (seeded, shuffled) data is packed on its own, so packing is

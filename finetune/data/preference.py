@@ -24,13 +24,13 @@ import datasets
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from finetune.chatter import no_datasets_bars
 from finetune.config import DataConfig
 from finetune.data.chat import describe, encode_rendered, message_role, render_chats
 from finetune.data.pack import with_host_indices
 from finetune.data.sources import SAMPLE_INDEX, source_name
 from finetune.data.tokenize import IGNORE, check_invalid_share, encode_prompt_completions, map_processes
 from finetune.errors import FinetuneError
+from finetune.quiet import no_datasets_bars
 
 PAIR_COLUMNS = ("chosen", "rejected")
 PAIRS = datasets.Features({

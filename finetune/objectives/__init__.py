@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader
 from finetune.batch import Batch
 from finetune.config import RecipeConfig
 from finetune.errors import FinetuneError, first_line
-from finetune.objectives.balanced import Balanced
+from finetune.objectives.balanced import WithBalancingLoss
 from finetune.objectives.preference import Preference, PreferenceBuilder
 from finetune.objectives.supervised import Supervised, SupervisedBuilder
 
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from finetune.weights import Weights
 
 __all__ = [
-    "Balanced", "BuildContext", "Objective", "ObjectiveBuilder", "Preference", "Supervised", "objective_for",
+    "WithBalancingLoss", "BuildContext", "Objective", "ObjectiveBuilder", "Preference", "Supervised", "objective_for",
 ]  # fmt: skip
 
 

@@ -9,6 +9,7 @@ models report it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate import Accelerator
@@ -17,11 +18,14 @@ from torch.utils.data import DataLoader
 from finetune.batch import Batch
 from finetune.routing import BalancingLoss
 
+if TYPE_CHECKING:
+    from finetune.objectives import Objective
+
 
 @dataclass(frozen=True)
-class Balanced:
-    inner: object
-    """The objective balanced (finetune.objectives.Objective)."""
+class WithBalancingLoss:
+    inner: Objective
+    """The objective the balancing loss is added to."""
     balancing: BalancingLoss
 
     @property
