@@ -427,7 +427,10 @@ def test_the_skeleton_path_locates_replies_exactly_as_the_placeholder_rendering_
     they are (`_filled_spans`), from the pieces' lengths alone where the skeleton holds each reply's header
     and end marker next to it (its layout); each such result equals the reference's (`_reply_spans`, which
     renders each conversation again with placeholders), and templates that trim or rewrite texts fall back to it."""
-    from finetune.data.chat import _check, _filled_spans, _reply_spans, _skeletons, template_shape
+    from finetune.data.chat import template_shape
+    from finetune.data.chat.rendering import _check
+    from finetune.data.chat.replies import _reply_spans
+    from finetune.data.chat.skeleton import _filled_spans, _skeletons
 
     fast, laid = set(), set()
     for family in FAMILIES:
