@@ -27,7 +27,7 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b train-70b train-qwen-7b train-mistral-7b \
 	train-8b-lora train-qwen-7b-lora train-70b-qlora train-qwen3-8b train-qwen3-30b-a3b train-qwen3-30b-a3b-lora \
 	train-gpt-oss-20b-lora train-mixtral-lora train-qwen-7b-tools train-8b-dpo train-qwen-7b-dpo
-.PHONY: help setup demo demo-lora demo-dpo train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu \
+.PHONY: help setup test-fast demo demo-lora demo-dpo train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu \
 	gpu-wheels gpu-check test test-gpu lint format clean
 
 help: ## list the targets
@@ -207,6 +207,9 @@ bench-gpu: $(STAMP) ## Llama-3.2-1B shape, bf16, seq 2048, all GPUs (one: no FSD
 
 test: lint ## lint, then the test suite (CPU only; multi-process tests use 2 processes over gloo)
 	$(OFFLINE) $(PY) -m pytest
+
+test-fast: lint ## the tests that start no distributed launch (seconds to minutes; a test that launches fails here)
+	FINETUNE_FAST_TESTS=1 $(OFFLINE) $(PY) -m pytest -m "not multiprocess"
 
 test-gpu: ## the CUDA tests, on a GPU machine (skipped with the reason elsewhere): make test-gpu PYTHON=python3 VENV=
 	$(OFFLINE) $(PY) -m pytest -m cuda -rs

@@ -31,7 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from run import CONFIGS, ENV, RECIPE, REPO, _free_port, _git, _steady
+from common import CONFIGS, ENV, RECIPE, REPO, _free_port, _git, _steady
 
 SHAPE = REPO / "recipes" / "llama" / "configs" / "Llama-3.2-1B-Instruct" / "config.json"
 # The recipe sets checkpointing (train.activation_checkpointing), so an FSDP preset's own is turned off.

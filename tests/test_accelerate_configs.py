@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
-from conftest import CHECKPOINT_SETTINGS, CONFIGS, LaunchedRun, launch, recipe_overrides
+from helpers import CHECKPOINT_SETTINGS, CONFIGS, LaunchedRun, launch, recipe_overrides
 
 CONFIG_FILES = sorted(CONFIGS.glob("*.yaml"))
 FSDP1_VOCABULARY = (
@@ -89,6 +89,7 @@ def test_single_gpu_config_trains_as_fsdp2_on_one_process_and_refuses_its_checkp
         assert sorted(p.name for p in (source / "checkpoints").iterdir()) == before
 
 
+@pytest.mark.multiprocess
 def test_single_gpu_config_launched_for_several_processes_is_refused_at_training(demo_assets, tmp_path):
     """accelerate's one-process launcher starts one process for --num_processes 2 and says nothing: training
     refuses it as `finetune check` does, before anything is written."""

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     CHECKPOINT_SETTINGS,
     CONFIGS,
     DEMO_RECIPE,
     REPO,
     LaunchedRun,
-    _run,
     flip_one_weight_between_samples,
     launch,
+    launched_run,
     recipe_overrides,
 )
 from peft import PeftModel
@@ -54,7 +54,7 @@ LORA = {
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, demo_assets) -> LaunchedRun:
     """LoRA under FSDP2 full shard on 2 processes: checkpoints at steps 4, 6 and 8, the adapter exported."""
-    return _run(tmp_path_factory, demo_assets, "lora", "fsdp2_full_shard.yaml", **LORA)
+    return launched_run(tmp_path_factory, demo_assets, "lora", "fsdp2_full_shard.yaml", **LORA)
 
 
 def test_checkpoints_hold_the_adapters_and_never_the_base(lora_run, one_process_run):
@@ -153,7 +153,7 @@ def test_lora_under_shard_grad_op_and_cpu_offload_trains_as_under_full_shard(
 @pytest.fixture(scope="module")
 def dora_run(tmp_path_factory, demo_assets) -> LaunchedRun:
     """DoRA on every linear layer plus a fully trained lm_head, under DDP, exported merged at the end too."""
-    return _run(
+    return launched_run(
         tmp_path_factory, demo_assets, "dora_ddp", "ddp.yaml",
         **{
             **LORA, "peft.method": "dora", "peft.target_modules": "[all-linear]", "peft.modules_to_save": "[lm_head]",
@@ -207,7 +207,7 @@ QLORA = {**LORA, "peft.quantization": "nf4", "peft.target_modules": "[all-linear
 @pytest.fixture(scope="module")
 def qlora_run(tmp_path_factory, demo_assets) -> LaunchedRun:
     """QLoRA under FSDP2 on 2 processes in fp32 (4-bit weights packed in fp32 storage), merged at the end."""
-    return _run(
+    return launched_run(
         tmp_path_factory, demo_assets, "qlora", "fsdp2_full_shard.yaml", **QLORA, **{"output.export_merged": "true"}
     )
 

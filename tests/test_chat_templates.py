@@ -279,7 +279,7 @@ HASH_TEMPLATE = r"""{{- bos_token }}
 def test_a_recipe_chat_template_trains_and_travels_with_the_export(demo_assets, tmp_path):
     """data.chat_template from a file replaces the tokenizer's; the exported folder carries it, so a reload
     renders prompts exactly as training rendered them."""
-    from conftest import LaunchedRun, launch, recipe_overrides
+    from helpers import LaunchedRun, launch, recipe_overrides
 
     template = tmp_path / "hash.jinja"
     template.write_text(HASH_TEMPLATE)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (
+from helpers import (
     CHECKPOINT_SETTINGS,
     CONFIGS,
     DEMO_RECIPE,

@@ -53,7 +53,7 @@ def test_regional_compilation_has_no_graph_break_recompiles_nothing_and_trains_a
 def test_regional_compilation_under_fsdp2_and_checkpointing_trains_as_eager(fsdp2_run, demo_assets, tmp_path):
     """Two processes over gloo: FSDP2 full shard with accelerate's activation checkpointing and regional
     compilation gives the eager run's losses."""
-    from conftest import LaunchedRun, launch, recipe_overrides
+    from helpers import LaunchedRun, launch, recipe_overrides
 
     output_dir = tmp_path / "out"
     flags = ("--fsdp_activation_checkpointing", "true", "--dynamo_backend", "aot_eager",

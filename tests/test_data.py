@@ -469,7 +469,7 @@ def test_packing_window_is_how_many_samples_are_packed_together(tmp_path, tokeni
     """A window of the whole data packs at least as full as windows of a few samples (each window's last row is
     left part-empty); the same window gives the same rows; a window past the data, or one with packing off or on a
     preference run, is refused with the fix."""
-    from conftest import DEMO_RECIPE
+    from helpers import DEMO_RECIPE
 
     from finetune.config import load_recipe
 

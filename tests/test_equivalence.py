@@ -7,7 +7,7 @@ must give the same final weights on 1 process and on 2 under every strategy.
 from __future__ import annotations
 
 import pytest
-from conftest import LaunchedRun, launch, recipe_overrides
+from helpers import LaunchedRun, launch, recipe_overrides
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.multiprocess

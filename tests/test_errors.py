@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_RECIPE, REPO, launch, recipe_overrides
+from helpers import DEMO_RECIPE, REPO, launch, recipe_overrides
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 
-from conftest import DEMO_RECIPE, flip_one_weight_between_samples
+from helpers import DEMO_RECIPE, flip_one_weight_between_samples
 
 from finetune import fingerprint
 from finetune.config import load_recipe

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import LaunchedRun, launch, recipe_overrides
+from helpers import LaunchedRun, launch, recipe_overrides
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 

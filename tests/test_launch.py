@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from conftest import CONFIGS, REPO
+from helpers import CONFIGS, REPO
 
 from finetune.errors import FinetuneError
 from finetune.launch import read_launch

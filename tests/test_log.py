@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import LaunchedRun
+from helpers import LaunchedRun
 
 pytestmark = pytest.mark.multiprocess
 

@@ -77,7 +77,7 @@ def test_update_is_the_gradient_of_the_per_token_mean(model):
 
 
 def test_epochs_become_steps_and_too_little_data_is_an_error():
-    from conftest import DEMO_RECIPE
+    from helpers import DEMO_RECIPE
 
     from finetune.build import max_steps_of
     from finetune.config import load_recipe

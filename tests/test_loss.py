@@ -149,7 +149,7 @@ def test_under_fsdp2_the_chunked_loss_trains_as_the_reference(fsdp2_run, demo_as
     the varlen attention path (one launch for two levers: it differs from the default run in both, so an
     error in either shows), asks for `auto` activation checkpointing, which is none on CPU, and records
     steps 3-4 with the profiler (which must not change what is computed)."""
-    from conftest import LaunchedRun, launch, recipe_overrides
+    from helpers import LaunchedRun, launch, recipe_overrides
 
     output_dir = tmp_path / "out"
     result = launch(

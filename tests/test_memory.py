@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import LaunchedRun, launch, recipe_overrides
+from helpers import LaunchedRun, launch, recipe_overrides
 
 from finetune.memory import FIELDS
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch, recipe_overrides
+from helpers import launch, recipe_overrides
 
 from finetune.config import ModelConfig
 from finetune.model import load_tokenizer, meta_model

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import DEMO_RECIPE, REPO, LaunchedRun, launch, recipe_overrides
+from helpers import DEMO_RECIPE, REPO, TINY, LaunchedRun, launch, recipe_overrides, tiny_config
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_export import max_logits_difference
@@ -33,27 +33,10 @@ from finetune.routing import (
     routers,
 )
 
-# Tiny shapes every family takes; each config keeps only the keys it has.
-TINY = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, num_experts=4, num_local_experts=4, n_routed_experts=4,
-    num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, first_k_dense_replace=1,
-    n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-)  # fmt: skip
 # The families transformers converts between the hub's per-expert tensors and its fused ones, and gpt-oss
 # (published fused: kept as it is).
 FAMILIES = ["qwen2_moe", "qwen3_moe", "olmoe", "mixtral", "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
             "qwen3_next", "minimax", "hunyuan_v1_moe", "gpt_oss"]  # fmt: skip
-
-
-def tiny_config(model_type: str, **overrides):
-    defaults = AutoConfig.for_model(model_type)
-    values = {key: value for key, value in TINY.items() if hasattr(defaults, key)}
-    if hasattr(defaults, "qk_rope_head_dim"):  # multi-head latent attention: rotary on part of each head
-        values["head_dim"] = values["qk_rope_head_dim"]
-    if model_type == "gpt_oss":
-        values["layer_types"] = ["sliding_attention", "full_attention"]
-    return AutoConfig.for_model(model_type, **{**values, **overrides})
 
 
 def saved_pretrained(model, folder: Path) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, DEMO_RECIPE, GPT2_WRAP, REPO, LaunchedRun, launch, recipe_overrides
+from helpers import CONFIGS, DEMO_RECIPE, GPT2_WRAP, REPO, LaunchedRun, launch, recipe_overrides
 from safetensors.torch import load_file
 from test_export import max_logits_difference
 from transformers import AutoModelForCausalLM

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 import yaml
-from conftest import LaunchedRun, per_sample_eval_loss
+from helpers import LaunchedRun, per_sample_eval_loss
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 pytestmark = pytest.mark.multiprocess

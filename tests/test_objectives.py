@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from conftest import DEMO_RECIPE, LaunchedRun, _run, recipe_overrides
 from custom_objective import WeightedTokens, eos_heavy
+from helpers import DEMO_RECIPE, LaunchedRun, launched_run, recipe_overrides
 
 from finetune.build import preflight
 from finetune.config import load_recipe
@@ -20,7 +20,7 @@ from finetune.errors import FinetuneError
 def custom_objective_run(tmp_path_factory, demo_assets) -> LaunchedRun:
     """fsdp2_run's launch, with every target token weighted 1 by an objective of the tests' own."""
     objective = {"train.objective": "tests.custom_objective:uniform", "output.trackers": "[tensorboard]"}
-    return _run(tmp_path_factory, demo_assets, "custom", "fsdp2_full_shard.yaml", **objective)
+    return launched_run(tmp_path_factory, demo_assets, "custom", "fsdp2_full_shard.yaml", **objective)
 
 
 def test_an_objective_of_its_own_trains_through_the_loop_as_the_built_in_one(custom_objective_run, fsdp2_run):

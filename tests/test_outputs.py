@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_RECIPE
+from helpers import DEMO_RECIPE
 
 from finetune import export as export_module
 from finetune.build import preflight

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CONFIGS, DEMO_RECIPE, REPO, LaunchedRun
+from helpers import CONFIGS, DEMO_RECIPE, REPO, LaunchedRun
 
 from finetune.config import ModelConfig, load_recipe
 from finetune.errors import FinetuneError

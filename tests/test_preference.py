@@ -15,7 +15,7 @@ import datasets
 import pytest
 import torch
 import yaml
-from conftest import DEMO_RECIPE, REPO, LaunchedRun, launch, recipe_overrides
+from helpers import DEMO_RECIPE, REPO, LaunchedRun, launch, recipe_overrides
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CONFIGS, REPO
+from helpers import CONFIGS, REPO
 
 from finetune.config import load_recipe
 from finetune.launch import read_launch

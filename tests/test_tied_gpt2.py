@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import per_sample_eval_loss
+from helpers import per_sample_eval_loss
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
