@@ -34,14 +34,14 @@ _TEMPLATE_FILE = "chat_template.jinja"
 def save_model_files(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    adapters: dict[str, Any] | None,
+    adapter_record: dict[str, Any] | None,
     base: Path | None,
     folder: Path,
 ) -> None:
     """Everything of a Hugging Face model folder but the weights, into `folder`: the files of `base` (the
     model's local folder) as it wrote them, the run's config and, where the run trained with another chat
-    template, that template; for an adapter run (`adapters`: its `adapter_record`) the adapter config and
-    record. Without a local base, the tokenizer and generation config are written from memory."""
+    template, that template; for an adapter run (`adapter_record`: `weights.Weights.record`) the adapter config
+    and record. Without a local base, the tokenizer and generation config are written from memory."""
     folder.mkdir(parents=True, exist_ok=True)
     if base is not None and any((base / name).is_file() for name in _TOKENIZER_FILES):
         copy_base_files(base, folder)
@@ -52,10 +52,10 @@ def save_model_files(
     generation_file = folder / "generation_config.json"
     if not generation_file.exists() and model.can_generate() and model.generation_config is not None:
         model.generation_config.save_pretrained(folder)
-    if adapters is not None:
+    if adapter_record is not None:
         from finetune.adapters import write_adapter_files
 
-        write_adapter_files(model, adapters, folder)
+        write_adapter_files(model, adapter_record, folder)
 
 
 def carried_files(base: Path) -> list[Path]:
