@@ -5,9 +5,10 @@
     setup_model         the weights loaded (by rank 0 only under rank-0 loading), adapters added
     setup_data          the objective's samples, tokenized and batched
     fit_to_launch       the objective's model preparation, the wrap policy checked, rank 0's weights sent
-    setup_optimizer     the optimizer, prepared with the model and the data; the step count and schedule
+    setup_optimizer     the optimizer, prepared with the model and the data
+    setup_steps         the step count, checked against the checkpoint resumed and the steps profiled; the schedule
     setup_checkpoint_io what saves and restores the training state, and writes the model files
-    setup_objective     the loss path, the routers' balancing, the objective (and its reference)
+    setup_objective     the routers' balancing and the objective (with its reference), on the chosen loss path
     restore             a checkpoint's state, where the run resumes
 
 What varies is chosen once, before the stages run: the objective's builder (`objectives.objective_for`) and the
