@@ -53,10 +53,7 @@ def _dpo_measured(rate: float, peak: int, fill: float, precompute_seconds: float
     }  # fmt: skip
 
 
-# ---- preference tuning --------------------------------------------------------------------------
-
-
-def dpo(bench: Bench) -> dict:
+def measure(bench: Bench) -> dict:
     """DPO (beta 0.1) against TRL's DPOTrainer (bench/trl_dpo.py: DDP, chosen and rejected padded into one
     forward) with its defaults (a reference model run every step) and at its best for the same work (its
     reference precomputed), 2 processes, same model, pairs and micro-batch of 8 pairs of varied lengths, fp32

@@ -7,10 +7,8 @@ import sys
 
 from common import REPO, Bench, _free_port, _ratio, _row, _run, _steady_median
 
-# ---- comparisons --------------------------------------------------------------------------
 
-
-def loop_overhead(bench: Bench) -> dict:
+def measure(bench: Bench) -> dict:
     """finetune vs the hand-written FSDP2 loop on the same packed rows: median steps/s, interleaved."""
     from finetune.config import DataConfig
     from finetune.data import load_split, prepare_split

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from common import LORA, MIB, Bench, _medians, _row, _steady_median
 
-# ---- adapters (LoRA) -----------------------------------------------------------------------
 
-
-def lora_vs_full(bench: Bench) -> dict:
+def measure(bench: Bench) -> dict:
     """LoRA against full fine-tuning on the same model, data and FSDP2 launch: step time, rank 0's
     measured memory, and the bytes of one checkpoint."""
     size = bench.train_size
