@@ -21,10 +21,27 @@ import inspect
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 NAME = "varlen"
 BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+_sequence_group: dist.ProcessGroup | None = None
+"""Under sequence parallelism (`finetune.sequence`), the processes a row is split over; None otherwise."""
+
+
+def rows_split() -> bool:
+    """Whether rows are split over a sequence group (their attention flattens them, not `loss.model_inputs`)."""
+    return _sequence_group is not None
+
+
+def split_rows_over(group: dist.ProcessGroup | None) -> None:
+    """Make every varlen attention call attend over rows split along the sequence over `group` (set once by the
+    build, before any forward; None: rows whole on each process)."""
+    global _sequence_group
+    _sequence_group = group
 
 
 def register() -> None:
@@ -94,15 +111,23 @@ def varlen_attention(
     kv_heads, seq, dim); returns (batch, seq, heads, dim) and no attention weights."""
     if dropout:
         raise ValueError("varlen attention has no dropout; set attention_dropout to 0 or use sdpa")
+    if _sequence_group is not None:
+        return _over_sequence_group(query, key, value, scaling, _sequence_group, kwargs), None
+    return _whole_rows(query, key, value, scaling, kwargs), None
+
+
+def _whole_rows(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, kwargs: dict[str, Any]
+) -> torch.Tensor:
     gqa = query.shape[1] != key.shape[1]
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:  # one sample per row
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
-        return out.transpose(1, 2).contiguous(), None
-    if query.shape[0] != 1:
-        raise ValueError("varlen attention takes packed rows flattened into one (finetune.loss.model_inputs does)")
-    # (1, heads, tokens, dim) -> (tokens, heads, dim), the layout of varlen kernels.
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        return out.transpose(1, 2).contiguous()
+    # (rows, heads, length, dim) -> (tokens, heads, dim), the layout of varlen kernels: the rows flattened, in the
+    # order of `cu` (one row already, unless the rows were split over a sequence group).
+    rows = query.shape[0]
+    q, k, v = (t.transpose(1, 2).flatten(0, 1) for t in (query, key, value))
     if torch.is_autocast_enabled(q.device.type):
         # Under autocast (one GPU without FSDP: float32 parameters, a float32 residual stream) the rotary
         # embedding returns float32 queries and keys beside bf16 values. Autocast casts SDPA's inputs to its
@@ -113,7 +138,30 @@ def varlen_attention(
         out = _flash(q, k, v, cu, kwargs["max_length_q"], scaling)
     else:
         out = _per_sample(q, k, v, cu, scaling, gqa)
-    return out.unsqueeze(0), None
+    return out.unflatten(0, (rows, -1))
+
+
+def _over_sequence_group(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    group: dist.ProcessGroup,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """Attention over rows whose sequence is split over `group`: heads exchanged for the sequence, attention over
+    whole rows (their samples apart, by the rows' global boundaries), and back."""
+    size = dist.get_world_size(group)
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if kv_heads % size:
+        # Fewer key/value heads than processes (or not a multiple of them): every query head takes its own copy,
+        # so that each process's share of query heads arrives with the key/value heads it reads.
+        key, value = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
+    query, key, value = (sequence_to_heads(t, group) for t in (query, key, value))
+    if kwargs.get("cu_seq_lens_q") is not None:
+        # The model gave the slice's length as the longest sample; the rows are whole now.
+        kwargs = kwargs | {"max_length_q": query.shape[2], "max_length_k": query.shape[2]}
+    return heads_to_sequence(_whole_rows(query, key, value, scaling, kwargs), group)
 
 
 def _per_sample(
@@ -163,3 +211,26 @@ def _varlen_attn() -> Any:
 def _takes_gqa() -> bool:
     """Whether torch's varlen kernel shares key/value heads itself (asked once, not in every layer's call)."""
     return "enable_gqa" in inspect.signature(_varlen_attn()).parameters
+
+
+def sequence_to_heads(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(rows, heads, slice, dim) on each of the group's processes -> (rows, heads / N, N x slice, dim): every
+    process gives each peer that peer's share of the heads, and receives the whole row's sequence for its own."""
+    size = dist.get_world_size(group)
+    rows, heads, length, dim = tensor.shape
+    send = tensor.reshape(rows, size, heads // size, length, dim).transpose(0, 1).contiguous()
+    received = all_to_all_single_autograd(send, None, None, group)
+    # (N peers = sequence slices, rows, heads / N, slice, dim) -> (rows, heads / N, N x slice, dim)
+    return received.permute(1, 2, 0, 3, 4).reshape(rows, heads // size, size * length, dim)
+
+
+def heads_to_sequence(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The inverse of `sequence_to_heads` on an attention output laid out (rows, N x slice, heads / N, dim):
+    returns (rows, slice, heads, dim), every head of this process's slice."""
+    size = dist.get_world_size(group)
+    rows, total, heads, dim = tensor.shape
+    length = total // size
+    send = tensor.reshape(rows, size, length, heads, dim).transpose(0, 1).contiguous()
+    received = all_to_all_single_autograd(send, None, None, group)
+    # (N peers = head shares, rows, slice, heads / N, dim) -> (rows, slice, N x heads / N, dim)
+    return received.permute(1, 2, 0, 3, 4).reshape(rows, length, size * heads, dim)

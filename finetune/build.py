@@ -30,6 +30,7 @@ from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
+from finetune import attention, sequence
 from finetune.checkpoint import (
     TrainingState,
     check_resume_objective,
@@ -63,7 +64,7 @@ from finetune.model_files import save_model_files
 from finetune.objectives import BuildContext, Objective, ObjectiveBuilder, WithBalancingLoss, objective_for
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.outputs import check_output_dir
-from finetune.recompute import Policy, recompute_policy
+from finetune.recompute import Policy, offload_layer_inputs, recompute_policy
 from finetune.routing import check_experts_recipe, set_up_routing
 from finetune.weights import StateIO, Weights, weights_for
 from finetune.wrap import validate_wrap_policy
@@ -120,10 +121,9 @@ def preflight(recipe: RecipeConfig) -> Path | None:
     if builder.reference_model:
         check_model_path(builder.reference_model)
     weights.preflight()
-    check_experts_recipe(
-        load_model_config(recipe.model), weights.quantization, recipe.train.router_aux_loss_coef, weights.expert_key
-    )
-    problems = environment_problems(recipe)
+    config = load_model_config(recipe.model)
+    check_experts_recipe(config, weights.quantization, recipe.train.router_aux_loss_coef, weights.expert_key)
+    problems = environment_problems(recipe) + sequence.model_problems(config, sequence.launched_size())
     if problems:
         raise FinetuneError("; ".join(problems))
     if resume_from is not None:
@@ -169,6 +169,8 @@ def setup_accelerator(recipe: RecipeConfig) -> tuple[Accelerator, Policy, str | 
         param_dtype=DTYPES[recipe.model.dtype],
     )
     set_seed(recipe.train.seed)
+    sp = sequence.sequence_parallel(accelerator)
+    attention.split_rows_over(sp.group if sp is not None else None)
     policy, policy_line = recompute_policy(recipe, accelerator)
     return accelerator, policy, policy_line
 
@@ -189,15 +191,18 @@ def setup_model(
     model = load_model(
         recipe.model, policy, read_weights=not started_on_meta, quantization=weights.load_quantization(accelerator)
     )
+    if recipe.train.activation_offload:
+        offload_layer_inputs(model)
     return weights.prepare(model, resume_from), started_on_meta
 
 
 def setup_data(
     recipe: RecipeConfig, tokenizer: PreTrainedTokenizerBase, accelerator: Accelerator, builder: ObjectiveBuilder
 ) -> Data:
+    sp = sequence.sequence_parallel(accelerator)
     return build_data(
         recipe.data, tokenizer, accelerator, seed=recipe.train.seed, micro_batch_size=recipe.train.micro_batch_size,
-        samples=builder.samples,
+        samples=builder.samples, split=sp.split if sp is not None else None,
     )  # fmt: skip
 
 

@@ -272,6 +272,11 @@ class TrainConfig:
     estimates to fit the GPU's memory (none on CPU, said in the log). Or set
     `fsdp_activation_checkpointing` (full) in the accelerate config instead (not both)."""
 
+    activation_offload: bool = False
+    """Keep what activation checkpointing keeps of each decoder layer (its input) in host memory, pinned, and bring
+    it back for the layer's backward (`finetune.recompute.offload_layer_inputs`): the activations left on the GPU
+    no longer grow with the layer count. Needs `activation_checkpointing` full or selective."""
+
     profile_steps: list[int] = field(default_factory=list)
     """[first, last]: record these optimizer steps (inclusive) with the torch profiler, a trace and a table per
     process under `<output.dir>/profile/` (`finetune.profile`); [] records nothing."""
@@ -305,6 +310,11 @@ class TrainConfig:
             errors.append(f"train.max_steps must be >= 1, got {self.max_steps}")
         if self.num_epochs is not None and self.num_epochs <= 0:
             errors.append(f"train.num_epochs must be > 0, got {self.num_epochs}")
+        if self.activation_offload and self.recompute not in ("full", "selective"):
+            errors.append(
+                f"train.activation_offload keeps the inputs that activation checkpointing saves, and "
+                f"train.activation_checkpointing is {self.activation_checkpointing}; set it to full or selective"
+            )
         for name in ("micro_batch_size", "gradient_accumulation_steps", "log_every_steps"):
             if getattr(self, name) < 1:
                 errors.append(f"train.{name} must be >= 1, got {getattr(self, name)}")

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,8 +31,10 @@ from accelerate.utils import (
     FullyShardedDataParallelPlugin,
     broadcast_object_list,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy
 
+from finetune import sequence
 from finetune.errors import FinetuneError
 from finetune.launch import Launch, check_hybrid_shard_group, hybrid_replicas
 from finetune.memory import dtype_name
@@ -101,12 +104,18 @@ def build_accelerator(
     _check_launch_environment(recipe_activation_checkpointing)
     on_cpu = not has_accelerator()
     plugin = _fsdp_plugin(on_cpu, param_dtype) if fsdp_requested() else None
-    hybrid = hybrid_sizes()
+    sizes = mesh_sizes()
+    if sizes is not None and sizes.sequence > 1 and (plugin is None or plugin.fsdp_version != 2):
+        raise FinetuneError(
+            "sequence parallelism (parallelism_config_sp_size) shards the model with FSDP2; launch with an FSDP2 "
+            "config such as accelerate_configs/sequence_parallel.yaml"
+        )
+    # On CPU accelerate validates a parallelism config against MULTI_CPU and refuses it; sequence groups it knows
+    # under DeepSpeed only. Either way the mesh is attached below, once the state is FSDP.
+    attach = sizes is not None and (on_cpu or sizes.sequence > 1)
     if on_cpu and plugin is not None and "LOCAL_RANK" not in os.environ:
         _single_process_group_env()
-    if on_cpu and hybrid is not None:
-        # accelerate validates a parallelism config against MULTI_CPU and refuses it; the mesh is
-        # attached below, once the adapter has switched the state to FSDP.
+    if attach:
         del os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"]
     accelerator = Accelerator(
         cpu=on_cpu,
@@ -119,11 +128,8 @@ def build_accelerator(
     )
     if on_cpu and plugin is not None:
         _enable_fsdp_on_cpu(accelerator, plugin)
-        if hybrid is not None:
-            replicas, shard_group = hybrid
-            config = ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=shard_group)
-            accelerator.state.parallelism_config = config
-            accelerator.state.device_mesh = config.get_device_mesh("cpu")
+    if attach and plugin is not None:
+        _attach_mesh(accelerator, sizes)
     if accelerator.num_processes != launched_world_size():
         raise FinetuneError(
             f"the launcher started {launched_world_size()} processes but this one joined a group of "
@@ -133,12 +139,23 @@ def build_accelerator(
     return accelerator
 
 
-def hybrid_sizes() -> tuple[int, int] | None:
-    """(replicas, processes per shard group) of an FSDP2 hybrid-sharding launch, or None.
+@dataclass(frozen=True)
+class MeshSizes:
+    """How an FSDP2 launch's processes are laid out: `replicas` x `shard` x `sequence` of them."""
 
-    Hybrid sharding comes from accelerate's parallelism config. A config that gives only
-    `dp_shard_size` (the GPUs of one machine) replicates over however many machines are launched,
-    so one config file serves any node count.
+    replicas: int
+    """Copies of the sharded model (hybrid sharding); 1: fully sharded."""
+    shard: int
+    """Data-parallel processes one copy is sharded over, beside the sequence groups."""
+    sequence: int
+    """Processes each row is split over (`finetune.sequence`); 1: none."""
+
+
+def mesh_sizes() -> MeshSizes | None:
+    """The layout accelerate's parallelism config asks for, checked against the launch; None without one.
+
+    A config that gives only `dp_shard_size` (the GPUs of one machine) replicates over however many machines are
+    launched, so one config file serves any node count; one that gives only `sp_size` shards over every process.
     """
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
         return None
@@ -147,21 +164,52 @@ def hybrid_sizes() -> tuple[int, int] | None:
         name: int(os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1"))
         for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp")
     }
-    if sizes["tp"] * sizes["cp"] * sizes["sp"] != 1:
+    if sizes["tp"] * sizes["cp"] != 1:
         raise FinetuneError(
-            "finetune trains with data parallelism only; set parallelism_config_tp_size, _cp_size and _sp_size to 1"
+            "finetune trains with data and sequence parallelism; set parallelism_config_tp_size and _cp_size to 1 "
+            "(for long rows, parallelism_config_sp_size splits each row over that many processes, packing intact)"
+        )
+    sequence = sizes["sp"]
+    if world % sequence:
+        raise FinetuneError(
+            f"parallelism_config_sp_size={sequence} does not divide the {world} launched processes into whole "
+            "sequence groups; launch a multiple of it (or set sp_size to a divisor of the process count)"
         )
     shard, replicate = sizes["dp_shard"], sizes["dp_replicate"]
-    replicate, tiles = hybrid_replicas(shard, replicate, world)
+    if sequence > 1 and shard == 1 and replicate == 1:
+        return MeshSizes(1, world // sequence, sequence)
+    replicate, tiles = hybrid_replicas(shard, replicate, world // sequence)
     if not tiles:
         raise FinetuneError(
             f"hybrid sharding with shard groups of dp_shard_size={shard} and dp_replicate_size={replicate} replicas "
-            f"does not tile the {world} launched processes ({replicate} x {shard} = {replicate * shard}); "
-            "set parallelism_config_dp_shard_size to the processes per machine (at least 2, dividing the process "
-            "count) and leave dp_replicate_size out"
+            f"does not tile the {world // sequence} data-parallel processes ({replicate} x {shard} = "
+            f"{replicate * shard}); set parallelism_config_dp_shard_size to the processes per machine (at least 2, "
+            "dividing the process count) and leave dp_replicate_size out"
         )
     os.environ["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"] = str(replicate)
-    return replicate, shard
+    return MeshSizes(replicate, shard, sequence)
+
+
+def _attach_mesh(accelerator: Accelerator, sizes: MeshSizes) -> None:
+    """Give accelerate the parallelism config and mesh of `sizes`, once its state is FSDP (it validates a
+    parallelism config against the distributed type, and knows sequence groups under DeepSpeed only).
+
+    Sequence groups are the mesh's `cp` dimension (`finetune.sequence` says why); the config keeps `cp_size=1`,
+    so that accelerate attaches none of its ring-attention hooks."""
+    config = ParallelismConfig(
+        dp_replicate_size=sizes.replicas, dp_shard_size=sizes.shard, tp_size=1, cp_size=1, sp_size=1
+    )
+    device_type = accelerator.device.type
+    if sizes.sequence == 1:
+        mesh = config.get_device_mesh(device_type)
+    else:
+        names = ("dp_replicate", "dp_shard", sequence.MESH_DIM)
+        mesh = init_device_mesh(device_type, (sizes.replicas, sizes.shard, sizes.sequence), mesh_dim_names=names)
+        mesh[names[:2]]._flatten("dp")
+        mesh[names[1:]]._flatten("dp_shard_cp")  # FSDP2 shards over every data x sequence process
+        config.device_mesh = mesh
+    accelerator.state.parallelism_config = config
+    accelerator.state.device_mesh = mesh
 
 
 def _single_process_group_env() -> None:
@@ -447,6 +495,9 @@ def strategy_name(accelerator: Accelerator) -> str:
         mesh = accelerator.parallelism_config
         if mesh is not None and mesh.dp_replicate_enabled:
             detail = f"hybrid: {mesh.dp_replicate_size} replicas x {mesh.dp_shard_size}-process shard groups, {detail}"
+        sp = sequence.sequence_parallel(accelerator)
+        if sp is not None:
+            detail = f"rows split over sequence groups of {sp.size} (all-to-all attention), {detail}"
     else:
         detail = f"sharding_strategy={plugin.sharding_strategy.name}"
     offload = ", CPU offload" if _offloads(plugin) else ""

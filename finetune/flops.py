@@ -55,7 +55,9 @@ def squared_sample_lengths(batch: Batch) -> torch.Tensor:
     and sum(2p + 1) over them is n^2. Packed rows carry their `position_ids` (a row's padding is one more
     short run at its end); padded rows count the positions their mask keeps."""
     if "position_ids" in batch:
-        return (2 * batch["position_ids"].double() + 1).sum()
+        odd = 2 * batch["position_ids"].double() + 1
+        # Padded rows split over a sequence group carry their global positions beside the mask.
+        return (odd * batch["attention_mask"]).sum() if "attention_mask" in batch else odd.sum()
     rows, length = batch["input_ids"].shape
     odd = 2 * torch.arange(length, device=batch["input_ids"].device, dtype=torch.float64) + 1
     if "attention_mask" in batch:

@@ -52,6 +52,13 @@ class Launch:
     """Layer classes FSDP wraps one unit each; empty: the model's `_no_split_modules`."""
     state_dict_type: str = "SHARDED_STATE_DICT"
     """fsdp_state_dict_type: how checkpoints hold the model (FULL_STATE_DICT or SHARDED_STATE_DICT)."""
+    sequence_parallel: int = 1
+    """parallelism_config_sp_size: processes each row is split over (`finetune.sequence`)."""
+
+    @property
+    def data_parallel(self) -> int:
+        """Processes that train on rows of their own."""
+        return self.num_processes // self.sequence_parallel
 
     @property
     def processes_per_machine(self) -> int:
@@ -63,13 +70,15 @@ class Launch:
         if self.strategy == "ddp":
             return 1
         if self.strategy == "hybrid_shard":
-            return self.hybrid_shard_size or self.processes_per_machine
+            return (self.hybrid_shard_size or self.processes_per_machine) * self.sequence_parallel
         return self.num_processes
 
     def describe(self) -> str:
         sizes = f"{self.num_processes} processes on {self.num_machines} machine(s)"
         if self.strategy == "hybrid_shard":
             sizes += f", {self.num_processes // self.shard_group} replicas x {self.shard_group}-process shard groups"
+        if self.sequence_parallel > 1:
+            sizes += f", rows split over sequence groups of {self.sequence_parallel}"
         engine = f"FSDP{self.fsdp_version} " if self.strategy != "ddp" else ""
         return f"{engine}{self.strategy}, {sizes}, mixed precision {self.mixed_precision}"
 
@@ -123,6 +132,7 @@ def read_launch(
         wrap_policy=str(fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")),
         wrap_classes=tuple(name.strip() for name in str(wrap).split(",") if name.strip()),
         state_dict_type=str(fsdp.get("fsdp_state_dict_type", default_state_dict_type(fsdp_version))),
+        sequence_parallel=int((raw.get("parallelism_config") or {}).get("parallelism_config_sp_size", 1)),
     )
     problems = launch_problems(launch, raw, environ, for_launch)
     if problems:
@@ -160,7 +170,7 @@ def _strategy(raw: dict, fsdp: dict, fsdp_version: int) -> str:
     if raw.get("distributed_type") != "FSDP":
         return "ddp"
     if fsdp_version == 2:
-        if raw.get("parallelism_config"):
+        if _hybrid_shard_size(raw) is not None:
             return "hybrid_shard"
         return "full_shard" if fsdp.get("fsdp_reshard_after_forward", True) else "shard_grad_op"
     strategy = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).lower()
@@ -181,7 +191,10 @@ def hybrid_replicas(shard: int, replicate: int, processes: int) -> tuple[int, bo
 
 def _hybrid_shard_size(raw: dict) -> int | None:
     parallelism = raw.get("parallelism_config") or {}
-    return int(parallelism.get("parallelism_config_dp_shard_size", 1)) if parallelism else None
+    shard = parallelism.get("parallelism_config_dp_shard_size")
+    if shard is None and parallelism.get("parallelism_config_sp_size", 1) != 1:
+        return None  # sequence groups alone: every process shards the model
+    return int(shard or 1) if parallelism else None
 
 
 def launch_problems(launch: Launch, raw: dict, environ: Mapping[str, str], for_launch: bool) -> list[str]:
@@ -215,14 +228,26 @@ def launch_problems(launch: Launch, raw: dict, environ: Mapping[str, str], for_l
             f"NUM_MACHINES={machines} but this SLURM job has {slurm_nodes} nodes; "
             "set NUM_MACHINES=$SLURM_JOB_NUM_NODES"
         )
-    if launch.hybrid_shard_size is not None:
+    sequence = launch.sequence_parallel
+    if sequence > 1 and launch.fsdp_version != 2:
+        problems.append(
+            f"parallelism_config_sp_size={sequence} (sequence parallelism) shards the model with FSDP2, not "
+            f"{'DDP' if launch.strategy == 'ddp' else 'FSDP1'}; start from accelerate_configs/sequence_parallel.yaml"
+        )
+    if processes % max(sequence, 1):
+        problems.append(
+            f"parallelism_config_sp_size={sequence} does not divide NUM_PROCESSES={processes} into whole sequence "
+            f"groups; launch a multiple of {sequence} processes"
+        )
+    if launch.hybrid_shard_size is not None and not processes % max(sequence, 1):
         shard = launch.hybrid_shard_size
         replicate = int(raw["parallelism_config"].get("parallelism_config_dp_replicate_size", 1))
-        if not hybrid_replicas(shard, replicate, processes)[1]:
+        data = processes // max(sequence, 1)
+        if not hybrid_replicas(shard, replicate, data)[1]:
             problems.append(
                 f"hybrid sharding with shard groups of dp_shard_size={shard} processes does not divide "
-                f"NUM_PROCESSES={processes} into whole replicas ({processes} / {shard} = "
-                f"{processes / max(shard, 1):g}); "
+                f"{'the data-parallel processes' if sequence > 1 else 'NUM_PROCESSES'}={data} into whole replicas "
+                f"({data} / {shard} = {data / max(shard, 1):g}); "
                 "set parallelism_config_dp_shard_size to the processes per machine (at least 2) and leave "
                 "dp_replicate_size out"
             )
@@ -250,7 +275,12 @@ def default_state_dict_type(fsdp_version: int) -> str:
 
 
 def recipe_launch_problems(
-    recipe: RecipeConfig, *, fsdp_version: int, rank_zero_loading: bool, state_dict_type: str
+    recipe: RecipeConfig,
+    *,
+    fsdp_version: int,
+    rank_zero_loading: bool,
+    state_dict_type: str,
+    sequence_parallel: int = 1,
 ) -> list[str]:
     """What a recipe cannot do under a launch (`fsdp_version` 0: DDP or one process), each with its fix.
     The one list that `finetune check` and training's preflight both refuse, before anything loads."""
@@ -271,6 +301,26 @@ def recipe_launch_problems(
     sharded = fsdp_version == 2 and state_dict_type.upper() == "SHARDED_STATE_DICT"
     if recipe.checkpoint.async_save and (not sharded or recipe.peft is not None):
         problems.append(ASYNC_SAVE_NEEDS)
+    if sequence_parallel > 1:
+        problems += sequence_recipe_problems(recipe, sequence_parallel)
+    return problems
+
+
+def sequence_recipe_problems(recipe: RecipeConfig, size: int) -> list[str]:
+    """What a recipe cannot do with its rows split over sequence groups of `size` (the model's own limits are
+    `finetune.sequence.model_problems`)."""
+    problems = []
+    if recipe.model.attn_implementation != "varlen":
+        problems.append(
+            f"sequence parallelism (sp_size={size}) attends over the whole rows through the varlen path; set "
+            f"model.attn_implementation: varlen (not {recipe.model.attn_implementation})"
+        )
+    if recipe.preference is not None or recipe.train.objective is not None:
+        what = "preference pairs" if recipe.preference is not None else f"train.objective={recipe.train.objective}"
+        problems.append(
+            f"sequence parallelism splits rows of supervised sequences; {what} under it is not supported yet: "
+            "launch without parallelism_config_sp_size"
+        )
     return problems
 
 
@@ -278,9 +328,11 @@ def environment_problems(recipe: RecipeConfig, environ: Mapping[str, str] = os.e
     """`recipe_launch_problems` for the launch this process was started by (accelerate's environment)."""
     fsdp = environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     version = int(environ.get("FSDP_VERSION", "1")) if fsdp else 0
+    parallelism = environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
     return recipe_launch_problems(
         recipe,
         fsdp_version=version,
         rank_zero_loading=fsdp and environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true",
         state_dict_type=environ.get("FSDP_STATE_DICT_TYPE", default_state_dict_type(version)),
+        sequence_parallel=int(environ.get("PARALLELISM_CONFIG_SP_SIZE", "1")) if parallelism else 1,
     )

@@ -34,6 +34,7 @@ from finetune.memory import MemoryProbe, format_reports, gather_reports, memory_
 from finetune.metrics import MetricsLogger
 from finetune.objectives import Objective, Supervised
 from finetune.profile import StepProfiler
+from finetune.sequence import data_parallel_size
 
 
 @dataclass
@@ -59,7 +60,7 @@ def run_steps(run: Run, metrics: MetricsLogger) -> tuple[str, int]:
     """
     recipe, accelerator = run.recipe, run.accelerator
     accumulation = recipe.train.gradient_accumulation_steps
-    rows_per_micro_batch = recipe.train.micro_batch_size * accelerator.num_processes
+    rows_per_micro_batch = recipe.train.micro_batch_size * data_parallel_size(accelerator)
     # A fingerprint of the token ids this rank trained on, accumulated on the device without syncing.
     data_fingerprint = torch.zeros((), dtype=torch.int64, device=accelerator.device)
     window = _LogWindow(model_flops(accelerator.unwrap_model(run.model)), peak_flops(accelerator.device))

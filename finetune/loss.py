@@ -111,7 +111,9 @@ def model_inputs(model: torch.nn.Module, batch: Batch) -> dict[str, Any]:
     implementation = _attention_implementation(model)
     if packed and implementation == attention.NAME:
         boundaries = attention.boundaries(inputs["position_ids"], batch.get("cu_seq_lens"))
-        inputs = {key: value.reshape(1, -1) for key, value in inputs.items()} | boundaries
+        if not attention.rows_split():  # split rows are whole, and flattened, only inside attention
+            inputs = {key: value.reshape(1, -1) for key, value in inputs.items()}
+        inputs |= boundaries
     elif packed and inputs["input_ids"].shape[0] > 1 and _flash_attention(implementation):
         inputs = {key: value.reshape(1, -1) for key, value in inputs.items()}
     return inputs

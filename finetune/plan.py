@@ -46,6 +46,7 @@ from finetune.model import (
     load_model_config,
     meta_model,
 )
+from finetune.sequence import model_problems
 
 if TYPE_CHECKING:
     from finetune.loss import LossPath
@@ -73,6 +74,7 @@ class ModelShape:
     trainable: int
     """Parameters that get gradients and optimizer state: all of them, or the adapters' (fp32)."""
     heads: int = 0
+    head_dim: int = 0
     routed: int = 0
     """Of a mixture of experts, the routed experts a token goes through (its top k); 0 for a dense model."""
     adapters: bool = False
@@ -96,6 +98,8 @@ class Estimate:
     host_at_export: int
     device_at_load: int = 0
     """QLoRA only: the whole 4-bit base (and adapters) on each device before sharding; else 0."""
+    host_offloaded: int = 0
+    """train.activation_offload: the layer inputs every process of a machine keeps in its host memory."""
 
     def device_total(self, checkpointing: Policy) -> int:
         """Bytes while training under an activation-checkpointing policy."""
@@ -145,6 +149,7 @@ def model_shape(model: PreTrainedModel) -> ModelShape:
         kv_hidden=kv_heads * head_dim,
         vocab=text.vocab_size,
         heads=heads,
+        head_dim=head_dim,
         routed=experts.active if experts is not None else 0,
         trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
         adapters=adapters,
@@ -241,14 +246,21 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
         gather = int(shape.parameters * gathered_bytes)
     else:  # DDP keeps full parameters; low-precision compute adds cast copies
         gather = shape.parameters * compute_bytes if compute_bytes != param_bytes else 0
-    tokens = _sequences(recipe) * recipe.data.max_length
+    # Under sequence parallelism a device holds a slice of every row (`finetune.sequence`).
+    tokens = math.ceil(_sequences(recipe) * recipe.data.max_length / launch.sequence_parallel)
     # Eager attention materializes each row's n x n scores per head (a packed row's too: its mask is dense).
     scores = tokens * recipe.data.max_length * shape.heads if recipe.model.attn_implementation == "eager" else 0
     activations, checkpointed, selective = (
         activation_bytes(shape, tokens, compute_bytes, policy, loss=recipe.train.loss_path, scores=scores)
+        + exchange_bytes(shape, tokens, compute_bytes, launch.sequence_parallel)
         for policy in ("none", "full", "selective")
     )
     processes_per_host = launch.processes_per_machine
+    offloaded = 0
+    if recipe.train.activation_offload:
+        # The layers' inputs wait in host memory; one layer's comes back at a time for its backward.
+        offloaded = tokens * shape.hidden * compute_bytes * max(shape.layers - 1, 0)
+        checkpointed, selective = checkpointed - offloaded, selective - offloaded
     full_model = shape.parameters * param_bytes
     # Loading: every process reads the full model, unless rank 0 alone does (cpu_ram_efficient_loading).
     host_load = full_model if launch.cpu_ram_efficient_loading else full_model * processes_per_host
@@ -261,8 +273,19 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     host_export = min(full_model, 5 * 10**9) * 12 // 10
     return Estimate(
         strategy, parameters, gradients, optimizer, gather, activations, checkpointed, selective, host_load,
-        host_export, device_load,
+        host_export, device_load, offloaded * processes_per_host,
     )  # fmt: skip
+
+
+def exchange_bytes(shape: ModelShape, tokens: int, compute_bytes: int, sequence_parallel: int) -> int:
+    """The all-to-all buffers of one layer's attention under sequence parallelism (0 without): sent and received
+    copies of its queries, keys and values (every query head's own key and value heads when the group is larger
+    than their count), and of its output, `tokens` per device."""
+    if sequence_parallel == 1:
+        return 0
+    kv_heads = shape.kv_hidden // max(shape.head_dim, 1)
+    kv = shape.kv_hidden if kv_heads % sequence_parallel == 0 else shape.heads * shape.head_dim
+    return 2 * tokens * compute_bytes * (2 * shape.heads * shape.head_dim + 2 * kv)
 
 
 def _micro_batch(recipe: RecipeConfig) -> str:
@@ -330,6 +353,11 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
         f"host RAM per machine: {chosen.host_at_load / gib:.1f} {unit_name} at load"
         f"{' (rank 0 loads, cpu_ram_efficient_loading)' if launch.cpu_ram_efficient_loading else ''}, "
         f"{chosen.host_at_export / gib:.1f} {unit_name} at export"
+        + (
+            f", {chosen.host_offloaded / gib:.1f} {unit_name} of layer inputs while training (train.activation_offload)"
+            if chosen.host_offloaded
+            else ""
+        )
     )
     if chosen.device_at_load:
         lines.append(
@@ -337,7 +365,29 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
             "device until it is sharded)"
         )
     lines.append(f"verdict (* = this config): {verdict(shape, recipe, launch, gpu_memory)}")
+    longest = longest_fitting_length(shape, recipe, launch, gpu_memory)
+    lines.append(
+        f"longest data.max_length this launch fits: {longest:,} tokens"
+        if longest
+        else "longest data.max_length this launch fits: none of 1,024 tokens or more"
+    )
     return "\n".join(lines)
+
+
+def longest_fitting_length(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> int:
+    """The longest `data.max_length`, in steps of 1,024 tokens, whose estimate fits `gpu_memory` under the run's
+    checkpointing policy (`auto`: the cheapest that fits), everything else as the recipe says; 0 if none does."""
+
+    def fits(length: int) -> bool:
+        resized = replace(recipe, data=replace(recipe.data, max_length=length))
+        chosen = estimate(shape, resized, launch, launch.strategy)
+        return chosen.device_peak(run_policy(chosen, resized, launch, gpu_memory)) <= gpu_memory
+
+    low, high = 0, 2**12  # in units of 1,024 tokens: up to 4,194,304
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle * 1024) else (low, middle - 1)
+    return low * 1024
 
 
 def verdict(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
@@ -401,6 +451,7 @@ def check(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     problems = recipe_launch_problems(
         recipe, fsdp_version=launch.fsdp_version if launch.strategy != "ddp" else 0,
         rank_zero_loading=launch.cpu_ram_efficient_loading, state_dict_type=launch.state_dict_type,
+        sequence_parallel=launch.sequence_parallel,
     )  # fmt: skip
     if problems:
         raise FinetuneError(f"cannot train with {launch.config_path}: " + "; ".join(problems))
@@ -408,6 +459,9 @@ def check(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     check_packing(recipe.model, recipe.data.packing)
     check_quantized_base(recipe.model, adapters=recipe.peft is not None, export_merged=recipe.output.export_merged)
     model = planned_model(recipe)
+    problems = model_problems(model.config, launch.sequence_parallel)
+    if problems:
+        raise FinetuneError(f"cannot train with {launch.config_path}: " + "; ".join(problems))
     shape = model_shape(model)
     source = recipe.model.config_file or recipe.model.name_or_path
     lines = [f"model: {shape.name} from {source}, {shape.parameters:,} parameters{_trainable(shape)}"]

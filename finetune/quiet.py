@@ -29,6 +29,9 @@ def quiet_libraries() -> None:
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     # PEFT asks transformers for `is_gradient_checkpointing`, a name transformers 5 deprecates.
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    # Under sequence parallelism accelerate shards the model over the mesh's flattened data x sequence dimension,
+    # slicing it from the root mesh as its own context parallelism does; torch warns that this will change.
+    warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # "Loading weights", from every rank

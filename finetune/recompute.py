@@ -9,6 +9,9 @@
 
 Checkpointing goes through transformers' gradient checkpointing (non-reentrant `torch.utils.checkpoint`),
 which replays the random state, so a model trained with dropout recomputes the same masks.
+
+`train.activation_offload` moves what a checkpointed layer keeps (its input) to host memory
+(`offload_layer_inputs`), so that the activations left on the device no longer grow with the layer count.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -47,6 +51,39 @@ def checkpoint_kwargs(policy: Policy) -> dict[str, Any]:
     return kwargs
 
 
+def offload_layer_inputs(model: torch.nn.Module) -> int:
+    """Keep the inputs of `model`'s checkpointed layers in pinned host memory until their backward (returns how
+    many layers). torch's checkpoint saves a region's inputs as saved tensors, through the saved-tensor hooks in
+    force when it is called: the hooks here are in force for that call alone (inside the region its own hooks
+    take over), so only the layer inputs move, not the parameters or anything a layer recomputes. The copies are
+    asynchronous, ordered on the stream that computes: the memory a copy reads is reused only after it."""
+    layers = 0
+    for module in model.modules():
+        checkpoint = getattr(module, "_gradient_checkpointing_func", None)
+        if isinstance(module, GradientCheckpointingLayer) and checkpoint is not None and module.gradient_checkpointing:
+            module._gradient_checkpointing_func = functools.partial(_inputs_on_host, checkpoint)
+            layers += 1
+    return layers
+
+
+def _inputs_on_host(checkpoint: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
+    with torch.autograd.graph.saved_tensors_hooks(_to_host, _to_device):
+        return checkpoint(function, *args, **kwargs)
+
+
+def _to_host(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
+    if tensor.device.type == "cpu":  # nothing to free: a copy all the same, so that CPU runs take the path
+        return tensor.device, tensor.clone()
+    host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return tensor.device, host
+
+
+def _to_device(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
+    device, host = packed
+    return host.to(device, non_blocking=True)
+
+
 _RECOMPUTED = {
     "none": "every activation kept, nothing recomputed",
     "full": "each decoder layer keeps its input and recomputes its forward in backward",
@@ -59,10 +96,10 @@ def recompute_policy(recipe: RecipeConfig, accelerator: Accelerator) -> tuple[Po
     device's memory (`finetune.plan.cheapest_policy`), and its log line (None for none, asked for)."""
     requested = recipe.train.recompute
     if requested != "auto":
-        return (
-            requested,
-            f"activation checkpointing: {requested} ({_RECOMPUTED[requested]})" if requested != "none" else None,
-        )
+        line = f"activation checkpointing: {requested} ({_RECOMPUTED[requested]})" if requested != "none" else None
+        if recipe.train.activation_offload:
+            line = f"{line}; layer inputs kept in host memory until their backward (train.activation_offload)"
+        return requested, line
     # Imported here: the planner imports the model module, which imports this one.
     from finetune.distributed import running_launch
     from finetune.plan import cheapest_policy, estimate, model_shape, planned_model

@@ -15,6 +15,7 @@ from finetune.checkpoint import recipe_changes
 from finetune.config import RecipeConfig
 from finetune.distributed import compute_dtype, local_params_fingerprint, shard_report, strategy_name
 from finetune.model import DTYPES
+from finetune.sequence import data_parallel_size
 from finetune.wrap import format_wrap_plan, fsdp_units
 
 
@@ -24,8 +25,9 @@ def log_setup(run: Run, resume_from: Path | None) -> None:
     accelerator, recipe, model = run.accelerator, run.recipe, run.model
     if not accelerator.is_main_process:
         return
-    processes = accelerator.num_processes
+    processes = data_parallel_size(accelerator)
     global_batch = recipe.train.micro_batch_size * recipe.train.gradient_accumulation_steps * processes
+    kind = "data-parallel " if processes != accelerator.num_processes else ""  # the rest share rows (sequence groups)
     lines = [
         f"strategy: {strategy_name(accelerator)} on {accelerator.device.type}",
         run.weights.precision_line(accelerator, model),
@@ -33,7 +35,7 @@ def log_setup(run: Run, resume_from: Path | None) -> None:
         attention_line(accelerator, recipe, model),
         *run.choices,
         f"batch: {recipe.train.micro_batch_size} x {recipe.train.gradient_accumulation_steps} accumulation x "
-        f"{processes} processes = {global_batch} {run.unit_noun} per step, {run.max_steps} steps",
+        f"{processes} {kind}processes = {global_batch} {run.unit_noun} per step, {run.max_steps} steps",
         run.data.train_stats.describe("train data"),
     ]
     compiled = sum(getattr(module, "_compiled_call_impl", None) is not None for module in model.modules())

@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from finetune.config import ModelConfig
 from finetune.loss import batch_loss
 from finetune.model import load_model
-from finetune.recompute import checkpoint_kwargs
+from finetune import recompute
+from finetune.recompute import checkpoint_kwargs, offload_layer_inputs
 
 MODELS = {
     "llama": ARCHITECTURES["llama"],
@@ -76,3 +77,33 @@ def test_the_recipe_policy_reaches_the_model(demo_assets):
         if policy != "none":
             layer_checkpoint = model.model.layers[0]._gradient_checkpointing_func
             assert ("context_fn" in layer_checkpoint.keywords) == (policy == "selective")
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_offloaded_layer_inputs_give_the_gradients_of_kept_ones(policy, monkeypatch):
+    """train.activation_offload: each checkpointed layer's input goes to host memory and comes back for its
+    backward (on CPU a copy, so the round trip is taken); the gradients are those of the run that keeps it."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(MODELS["llama"])
+    reference, _ = gradients_and_backward_matmuls(model, policy)
+    offloaded = copy.deepcopy(model)
+    offloaded.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(policy))
+    assert offload_layer_inputs(offloaded) == MODELS["llama"].num_hidden_layers
+    moved = []
+    to_host = recompute._to_host
+    monkeypatch.setattr(recompute, "_to_host", lambda tensor: (moved.append(tensor.shape), to_host(tensor))[1])
+    grads, _ = gradients_and_backward_matmuls(offloaded, "none")  # already checkpointed, and offloading
+    hidden = MODELS["llama"].hidden_size
+    assert len(moved) == MODELS["llama"].num_hidden_layers and all(shape[-1] == hidden for shape in moved)
+    for got, expected in zip(grads, reference, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_activation_offload_needs_checkpointing():
+    from finetune.config import TrainConfig
+
+    errors = TrainConfig(micro_batch_size=1, max_steps=1, activation_offload=True).errors()
+    assert any("set it to full or selective" in error for error in errors)
+    assert not TrainConfig(
+        micro_batch_size=1, max_steps=1, activation_offload=True, activation_checkpointing="full"
+    ).errors()

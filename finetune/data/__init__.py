@@ -25,6 +25,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
+from finetune.batch import Batch
 from finetune.config import DataConfig, SourceConfig
 from finetune.data.chat import encode_chats
 from finetune.data.pack import WINDOW, collate_packed, collate_padded, pack
@@ -42,6 +43,7 @@ from finetune.data.tokenize import IGNORE, check_invalid_share, detect_format, t
 from finetune.distributed import main_process_first
 from finetune.errors import FinetuneError
 from finetune.quiet import no_datasets_bars
+from finetune.sequence import data_parallel_size
 
 __all__ = [
     "IGNORE", "Data", "DataStats", "build_data", "check_sources", "collate_packed", "collate_padded",
@@ -243,6 +245,10 @@ class Data:
     collate: Callable[[list[dict]], dict[str, torch.Tensor]] | None = None
 
 
+def _then(collate: Callable[[list[dict]], Batch], split: Callable[[Batch], Batch]) -> Callable[[list[dict]], Batch]:
+    return lambda rows: split(collate(rows))
+
+
 def loader_options(device: torch.device) -> dict[str, Any]:
     """How batches reach a GPU without the step waiting for them: collated by a worker process while the GPU
     computes, in pinned host memory, so that the copy to the device is asynchronous (the accelerator copies
@@ -260,9 +266,11 @@ def build_data(
     seed: int,
     micro_batch_size: int,
     samples: Samples | None = None,
+    split: Callable[[Batch], Batch] | None = None,
 ) -> Data:
-    """Train and eval dataloaders (not yet prepared) of the objective's `samples` (sequences unless named). The
-    main process tokenizes first; the others hit its cache."""
+    """Train and eval dataloaders (not yet prepared) of the objective's `samples` (sequences unless named), each
+    batch cut to this process's slice by `split` under sequence parallelism. The main process tokenizes first;
+    the others hit its cache."""
     samples = samples if samples is not None else SEQUENCES
 
     def load_and_prepare():
@@ -285,7 +293,7 @@ def build_data(
         return train, samples.prepare(eval_raw, tokenizer, cfg, seed, evaluation=True, first_index=len(train[0]))
 
     (train_rows, train_stats), (eval_rows, eval_stats) = main_process_first(accelerator, load_and_prepare)
-    needed = micro_batch_size * accelerator.num_processes
+    needed = micro_batch_size * data_parallel_size(accelerator)
     if len(train_rows) < needed:
         held_out = ""
         if not cfg.eval_path and cfg.eval_fraction > 0:
@@ -297,6 +305,8 @@ def build_data(
             f"{needed}{held_out}; add data or lower train.micro_batch_size"
         )
     collate = samples.collate(cfg, tokenizer)
+    if split is not None:
+        collate = _then(collate, split)
     feeding = loader_options(accelerator.device)
     train_loader = DataLoader(
         train_rows,

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 from finetune.batch import IGNORE, Batch
 from finetune.data import SEQUENCES
 from finetune.loss import LossPath, batch_loss
+from finetune.sequence import gather_rows
 from finetune.wrap import reshard
 
 
@@ -39,8 +40,8 @@ class Supervised:
         for batch in loader:
             row_losses = batch_loss(model, batch, self.loss_path).per_row
             row_targets = (batch["target_ids"] != IGNORE).sum(dim=1)
-            # gather_for_metrics drops the rows accelerate duplicated to give every process equal batches.
-            row_losses, row_targets = accelerator.gather_for_metrics((row_losses, row_targets))
+            # Without the rows accelerate duplicated to give every process equal batches.
+            row_losses, row_targets = gather_rows(accelerator, (row_losses, row_targets))
             loss_sum += row_losses.double().sum().cpu()
             num_targets += row_targets.double().sum().cpu()
         reshard(model)
