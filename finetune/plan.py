@@ -354,7 +354,7 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
         f"{' (rank 0 loads, cpu_ram_efficient_loading)' if launch.cpu_ram_efficient_loading else ''}, "
         f"{chosen.host_at_export / gib:.1f} {unit_name} at export"
         + (
-            f", {chosen.host_offloaded / gib:.1f} {unit_name} of layer inputs while training (train.activation_offload)"
+            f", {chosen.host_offloaded / gib:.1f} {unit_name} of offloaded layer inputs (train.activation_offload)"
             if chosen.host_offloaded
             else ""
         )

@@ -12,10 +12,10 @@ import transformers
 from test_loss import ARCHITECTURES, packed_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from finetune import recompute
 from finetune.config import ModelConfig
 from finetune.loss import batch_loss
 from finetune.model import load_model
-from finetune import recompute
 from finetune.recompute import checkpoint_kwargs, offload_layer_inputs
 
 MODELS = {
