@@ -25,7 +25,8 @@ MAIN_PROCESS_PORT ?= 29500
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b train-70b train-qwen-7b train-mistral-7b \
-	train-8b-lora train-qwen-7b-lora train-70b-qlora train-qwen3-8b train-qwen3-30b-a3b train-qwen3-30b-a3b-lora \
+	train-8b-lora train-qwen-7b-lora train-70b-qlora train-qwen3-8b train-qwen3-8b-128k train-qwen3-30b-a3b \
+	train-qwen3-30b-a3b-lora \
 	train-gpt-oss-20b-lora train-mixtral-lora train-qwen-7b-tools train-8b-dpo train-qwen-7b-dpo
 .PHONY: help setup test-fast demo demo-lora demo-dpo train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu \
 	gpu-wheels gpu-check test test-gpu lint format clean
@@ -117,6 +118,11 @@ train-qwen3-8b: RECIPE = recipes/qwen/qwen3-8b-reasoning.yaml
 train-qwen3-8b: WRAP = Qwen3DecoderLayer
 train-qwen3-8b: CONFIG = accelerate_configs/single_node.yaml
 train-qwen3-8b: NUM_PROCESSES = 8
+train-qwen3-8b-128k: ## Qwen3-8B, reasoning traces up to 131,072 tokens, rows split over 8 GPUs (sequence parallelism)
+train-qwen3-8b-128k: RECIPE = recipes/qwen/qwen3-8b-reasoning-128k.yaml
+train-qwen3-8b-128k: WRAP = Qwen3DecoderLayer
+train-qwen3-8b-128k: CONFIG = accelerate_configs/sequence_parallel.yaml
+train-qwen3-8b-128k: NUM_PROCESSES = 8
 train-qwen3-30b-a3b: ## Qwen3-30B-A3B (MoE, 128 experts, 8 per token), full, UltraChat, 8 GPUs, single-node preset
 train-qwen3-30b-a3b: RECIPE = recipes/qwen/qwen3-30b-a3b.yaml
 train-qwen3-30b-a3b: WRAP = Qwen3MoeDecoderLayer

@@ -64,6 +64,12 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Run modelling code shipped with the checkpoint. Off unless you trust its source."""
 
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    """Settings of the model's config.json that this run changes, written with its checkpoints and exports, e.g.
+    a longer context by RoPE scaling: {max_position_embeddings: 131072, rope_parameters: {rope_type: yarn,
+    factor: 4.0, original_max_position_embeddings: 32768, rope_theta: 1000000}}. Each must be a setting the
+    config has."""
+
 
 @dataclass(kw_only=True)
 class SourceConfig:
@@ -727,6 +733,11 @@ def _coerce(value: Any, hint: Any, name: str, errors: list[str]) -> Any:
         if isinstance(value, list) and all(isinstance(v, args[0]) for v in value):
             return value
         errors.append(f"{name} must be a list of {args[0].__name__}, got {value!r}")
+        return _INVALID
+    if origin is dict and args[1] is Any:  # settings passed on as they are (model.config_overrides)
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return value
+        errors.append(f"{name} must be a mapping of names to values, got {value!r}")
         return _INVALID
     if origin is dict:
         nullable = type(None) in typing.get_args(args[1])  # dict[str, str | None]: null leaves a column out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -322,13 +323,33 @@ def load_model_config(cfg: ModelConfig) -> PretrainedConfig:
     if cfg.config_file is None:
         check_model_path(cfg.name_or_path)
     try:
-        return AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as exc:
         raise FinetuneError(
             f"the architecture of {cfg.name_or_path!r} is not available offline ({first_line(exc)}); save its "
             "config.json under recipes/<family>/configs/ and set model.config_file to it, or point "
             "model.name_or_path at a local model folder"
         ) from None
+    return with_overrides(config, cfg.config_overrides)
+
+
+def with_overrides(config: PretrainedConfig, overrides: dict[str, Any]) -> PretrainedConfig:
+    """`config` with `model.config_overrides` set; a name the config does not have is refused (transformers would
+    keep it as an unused attribute, and the run would train as if it had not been given)."""
+    unknown = [name for name in overrides if not hasattr(config, name)]
+    if unknown:
+        known = sorted(config.to_dict())
+        hints = [
+            f"{name} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(name, known, 1)) else name
+            for name in unknown
+        ]
+        raise FinetuneError(
+            f"model.config_overrides sets {', '.join(hints)}, which the {config.model_type} config does not have; "
+            "name settings of its config.json"
+        )
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return config
 
 
 def meta_model(config: PretrainedConfig) -> PreTrainedModel:
@@ -352,6 +373,7 @@ def load_model(
         varlen.register()
     try:
         config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+        config = with_overrides(config, cfg.config_overrides)
         dequantize = dequantizing(config)
         if dequantize is not None:
             del config.quantization_config  # the model built below holds plain weights
@@ -361,7 +383,7 @@ def load_model(
             quantized = {"quantization_config": quantization} if quantization is not None else {}
             model = AutoModelForCausalLM.from_pretrained(
                 cfg.name_or_path, dtype=dtype, attn_implementation=attention, trust_remote_code=cfg.trust_remote_code,
-                **quantized,
+                **quantized, **cfg.config_overrides,
             )  # fmt: skip
         else:
             with init_empty_weights(include_buffers=False):

@@ -117,3 +117,28 @@ def test_the_bases_template_unchanged_leaves_its_files_byte_for_byte(spm_base, t
     for name in _SHIPPED:
         assert (tmp_path / name).read_bytes() == (spm_base / name).read_bytes(), name
     assert not list(tmp_path.glob("*.safetensors"))
+
+
+def test_config_overrides_reach_the_model_and_the_files_written_with_it(demo_assets, tmp_path):
+    """model.config_overrides (a longer context by RoPE scaling): the loaded model computes with them and its
+    config.json, as checkpoints and exports write it, carries them; a name the config lacks is refused."""
+    from finetune.errors import FinetuneError
+    from finetune.model import load_model
+
+    scaled = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    base = load_model(ModelConfig(name_or_path=str(demo_assets / "base")), "none")
+    model = load_model(
+        ModelConfig(
+            name_or_path=str(demo_assets / "base"),
+            config_overrides={"max_position_embeddings": 512, "rope_parameters": scaled},
+        ),
+        "none",
+    )
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, base.model.rotary_emb.inv_freq / 4)
+    model.config.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["max_position_embeddings"] == 512 and written["rope_parameters"] == scaled
+    with pytest.raises(FinetuneError, match="rope_parmeters \\(did you mean rope_parameters\\?\\)"):
+        load_model(
+            ModelConfig(name_or_path=str(demo_assets / "base"), config_overrides={"rope_parmeters": {}}), "none"
+        )
