@@ -289,9 +289,11 @@ def setup_objective(
     recipe, accelerator = context.recipe, context.accelerator
     # Before any forward (a precomputed reference's too): a mixture of experts routes in fp32 from here on.
     compute = compute_dtype(accelerator.mixed_precision, DTYPES[recipe.model.dtype])
+    sp = sequence.sequence_parallel(accelerator)
     balancing, routing_line = set_up_routing(
-        accelerator.unwrap_model(context.model), recipe.train.router_aux_loss_coef, compute
-    )
+        accelerator.unwrap_model(context.model), recipe.train.router_aux_loss_coef, compute,
+        sp.group if sp is not None else None,
+    )  # fmt: skip
     objective, write_files = builder.build(context)
     if balancing is not None:
         objective = WithBalancingLoss(objective, balancing)

@@ -25,11 +25,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.func import functional_call
 
 from finetune.batch import Batch
 from finetune.errors import FinetuneError
 from finetune.family import experts_of, is_routed_expert
+from finetune.sequence import sum_over_group
 
 
 def router_class(model: torch.nn.Module) -> tuple[type, int] | None:
@@ -73,10 +75,14 @@ def _fp32_forward(holder: _Holder, hidden_states: torch.Tensor, *args, **kwargs)
 
 
 def set_up_routing(
-    model: torch.nn.Module, requested_coefficient: float | None, compute_dtype: torch.dtype
+    model: torch.nn.Module,
+    requested_coefficient: float | None,
+    compute_dtype: torch.dtype,
+    sequence_group: dist.ProcessGroup | None = None,
 ) -> tuple[BalancingLoss | None, str | None]:
     """Route `model`'s experts in fp32 and record its routers for the balancing loss (None: off), with the log line;
-    nothing for a dense model. Call on the model as prepared (the routers are found through any wrapper)."""
+    nothing for a dense model. Call on the model as prepared (the routers are found through any wrapper). Under
+    sequence parallelism `sequence_group` holds the other slices of the rows."""
     coefficient = balancing_coefficient(model.config, requested_coefficient)  # refuses one a model cannot take
     experts = experts_of(model.config)
     if experts is None:
@@ -85,7 +91,7 @@ def set_up_routing(
     if implementation == "grouped_mm":
         check_grouped_mm_shapes(model, compute_dtype)
     route_in_fp32(model)
-    balancing = BalancingLoss(model, coefficient) if coefficient > 0 else None
+    balancing = BalancingLoss(model, coefficient, sequence_group) if coefficient > 0 else None
     source = "train.router_aux_loss_coef" if requested_coefficient is not None else "the model's coefficient"
     term = f"balancing loss x{coefficient:g} ({source})" if balancing else "no balancing loss"
     return balancing, (
@@ -155,6 +161,8 @@ class BalancingLoss:
 
     model: torch.nn.Module
     coefficient: float
+    sequence_group: dist.ProcessGroup | None = None
+    """Under sequence parallelism, the processes holding the other slices of the rows: the term is the rows'."""
     load: torch.Tensor | None = None
     """Tokens routed to each expert of each MoE layer (layers x experts) since the last `load_metrics`."""
     _logits: list[torch.Tensor] = field(default_factory=list)
@@ -204,6 +212,8 @@ class BalancingLoss:
             for layer, experts in enumerate(chosen):
                 counts[layer].scatter_add_(0, experts, weights)
             self.load = counts if self.load is None or self.load.shape != counts.shape else self.load + counts
+        if self.sequence_group is not None:
+            return balancing_over_group(logits, self.num_experts, self.top_k, mask, self.sequence_group)
         return self.loss_function(logits, self.num_experts, self.top_k, mask)
 
     def load_metrics(self, reduce) -> dict[str, float]:
@@ -214,6 +224,30 @@ class BalancingLoss:
         load, self.load = reduce(self.load), None
         ratios = (load.max(dim=1).values / load.mean(dim=1).clamp(min=1e-9)).tolist()
         return {f"expert_load/{layer}": ratio for layer, ratio in enumerate(ratios)}
+
+
+def balancing_over_group(
+    logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int, mask: torch.Tensor, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """The balancing term of rows split over a sequence group, from this process's slice of them: the families'
+    `load_balancing_loss_func` (one function, the same in every MoE model transformers ships) is num_experts x the
+    dot product of each expert's share of top-k choices and its mean routing probability, both sums over every
+    layer's real tokens divided by their count. Those sums are added up over the group (the probabilities'
+    differentiably), so that every process gets the term of the whole rows, each token counted once."""
+    device = logits[0].device
+    flat_mask = mask.reshape(-1).to(device, torch.float32)
+    choices = torch.zeros(num_experts, device=device)
+    probabilities = torch.zeros(num_experts, device=device)
+    for layer in logits:
+        weights = torch.softmax(layer.float(), dim=-1)
+        selected = weights.topk(top_k, dim=-1).indices.reshape(-1)
+        choices = choices.scatter_add(0, selected, flat_mask.repeat_interleave(top_k))
+        probabilities = probabilities + (weights * flat_mask.unsqueeze(-1)).sum(dim=0)
+    counts = torch.cat([choices, (flat_mask.sum() * len(logits)).reshape(1)])
+    dist.all_reduce(counts, group=group)
+    probabilities = sum_over_group(probabilities, group)
+    rows = counts[-1]
+    return num_experts * torch.sum((counts[:-1] / rows) * (probabilities / rows))
 
 
 def real_tokens(batch: Batch) -> torch.Tensor:

@@ -34,7 +34,6 @@ from accelerate import Accelerator
 
 from finetune.attention import cumulative_lengths
 from finetune.batch import IGNORE, Batch, kept_positions
-from finetune.family import experts_of
 
 MESH_DIM = "cp"
 """The sequence group's dimension in accelerate's mesh (see the module's docstring for why this name)."""
@@ -62,11 +61,6 @@ def model_problems(config: Any, size: int) -> list[str]:
         problems.append(
             f"sequence parallelism gives each of its {size} processes a share of the {heads} attention heads, which "
             f"{size} does not divide; set parallelism_config_sp_size to a divisor of {heads}"
-        )
-    if experts_of(config) is not None:
-        problems.append(
-            "sequence parallelism does not run mixtures of experts yet (their balancing loss needs every token of a "
-            "row); launch without parallelism_config_sp_size"
         )
     return problems
 
@@ -119,6 +113,28 @@ def gather_rows(accelerator: Accelerator, sums: T) -> T:
     return tuple(gathered)  # type: ignore[return-value]
 
 
+def sum_over_group(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum of `tensor` over the group's processes, differentiable: each process's gradient is the sum of every
+    process's gradient of the sum (torch's differentiable all-reduce is deprecated; its replacement has no
+    backward)."""
+    return _SumOverGroup.apply(tensor, group)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        summed = tensor.clone()
+        dist.all_reduce(summed, group=group)
+        return summed
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        summed = grad.contiguous().clone()
+        dist.all_reduce(summed, group=ctx.group)
+        return summed, None
+
+
 def split_batch(batch: Batch, size: int, rank: int) -> Batch:
     """Slice `rank` of `size` of a batch of supervised rows: every row cut into `size` contiguous pieces.
 
@@ -156,6 +172,8 @@ def split_batch(batch: Batch, size: int, rank: int) -> Batch:
     real = part.pop("real")
     if packed:
         part["cu_seq_lens"] = cumulative_lengths(whole["position_ids"])
+        # A row's real tokens come first, so a slice's do too (what a mixture of experts' balancing reads).
+        part["row_tokens"] = (batch["row_tokens"] - rank * piece).clamp(0, piece)
     else:
         part["attention_mask"] = real.long()
     part["num_tokens"] = real.sum()

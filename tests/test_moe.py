@@ -265,12 +265,16 @@ GPT_OSS = {"model.attn_implementation": "eager", "data.packing": "false"}
 WRAP = {"qwen3_moe": "Qwen3MoeDecoderLayer", "mixtral": "MixtralDecoderLayer", "gpt_oss": "GptOssDecoderLayer"}
 
 
-def _moe_run(tmp_path_factory, assets: Path, base: Path, name: str, num_processes: int, **extra) -> LaunchedRun:
+def _moe_run(
+    tmp_path_factory, assets: Path, base: Path, name: str, num_processes: int, sp: int = 1, **extra
+) -> LaunchedRun:
     output_dir = tmp_path_factory.mktemp(name) / "out"
     values = {"model.name_or_path": base, "train.micro_batch_size": 4, **MOE_SETTINGS, **extra}
     wrap = ("--fsdp_transformer_layer_cls_to_wrap", WRAP[json.loads((base / "config.json").read_text())["model_type"]])
     overrides = recipe_overrides(assets, output_dir, **values)
-    result = launch("fsdp2_full_shard.yaml", overrides, num_processes=num_processes, launch_args=wrap)
+    config = "sequence_parallel.yaml" if sp > 1 else "fsdp2_full_shard.yaml"
+    sequence = ("--parallelism_config_sp_size", str(sp)) if sp > 1 else ()
+    result = launch(config, overrides, num_processes=num_processes, launch_args=(*wrap, *sequence))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return LaunchedRun(result, output_dir)
 
@@ -317,6 +321,27 @@ def test_balancing_loss_is_normalized_like_the_loss_on_any_process_count(moe_run
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
         assert a["aux_loss"] == pytest.approx(b["aux_loss"], abs=1e-5)
     trained = [load_file(run.output_dir / "final" / "model.safetensors") for run in (moe_run, moe_one_process_run)]
+    for name, tensor in trained[0].items():
+        assert torch.allclose(tensor, trained[1][name], atol=1e-5), name
+
+
+@pytest.mark.multiprocess
+def test_rows_split_over_a_sequence_group_balance_experts_over_whole_rows(
+    tmp_path_factory, demo_assets, moe_bases, moe_one_process_run
+):
+    """sp=2: each process routes half of every row's tokens; the balancing term is the whole rows' (the group's
+    counts and probabilities added up), so losses, balancing terms and weights are those of 1 process."""
+    split = _moe_run(
+        tmp_path_factory, demo_assets, moe_bases["qwen3_moe"], "moe_sp2", 2, sp=2,
+        **{"train.gradient_accumulation_steps": 4, "model.attn_implementation": "varlen"},
+    )  # fmt: skip
+    assert "rows split over sequence groups of 2" in split.log
+    steps = [m for m in split.metrics() if "aux_loss" in m]
+    for a, b in zip(steps, [m for m in moe_one_process_run.metrics() if "aux_loss" in m], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["aux_loss"] == pytest.approx(b["aux_loss"], abs=1e-5)
+        assert a["expert_load/0"] == pytest.approx(b["expert_load/0"], abs=1e-5)
+    trained = [load_file(run.output_dir / "final" / "model.safetensors") for run in (split, moe_one_process_run)]
     for name, tensor in trained[0].items():
         assert torch.allclose(tensor, trained[1][name], atol=1e-5), name
 
