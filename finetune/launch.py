@@ -315,11 +315,11 @@ def sequence_recipe_problems(recipe: RecipeConfig, size: int) -> list[str]:
             f"sequence parallelism (sp_size={size}) attends over the whole rows through the varlen path; set "
             f"model.attn_implementation: varlen (not {recipe.model.attn_implementation})"
         )
-    if recipe.preference is not None or recipe.train.objective is not None:
-        what = "preference pairs" if recipe.preference is not None else f"train.objective={recipe.train.objective}"
+    if recipe.train.objective is not None:
+        # Its loss would see slices of rows: right for a sum over tokens, wrong for anything per sequence.
         problems.append(
-            f"sequence parallelism splits rows of supervised sequences; {what} under it is not supported yet: "
-            "launch without parallelism_config_sp_size"
+            f"sequence parallelism hands an objective slices of rows, and train.objective={recipe.train.objective} "
+            "is not known to take them; launch without parallelism_config_sp_size"
         )
     return problems
 

@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 
 from finetune.errors import FinetuneError
 from finetune.loss import LossPath, sequence_logps
+from finetune.sequence import data_parallel_rank, data_parallel_size, sequence_parallel
 from finetune.wrap import reshard
 
 REFERENCE_FILE = "reference_logps.safetensors"
@@ -75,7 +76,9 @@ def compute_reference(
     (train and eval pairs are numbered in one range). A collective: every process calls it."""
     total = sum(len(split) for split in splits)
     table = torch.full((total, 2), float("nan"), dtype=torch.float64)
-    world, rank = accelerator.num_processes, accelerator.process_index
+    # Under sequence parallelism a group's processes take the same pairs, each a slice of their sequences.
+    world, rank = data_parallel_size(accelerator), data_parallel_rank(accelerator)
+    sp = sequence_parallel(accelerator)
     model.eval()
     began = time.perf_counter()
     for split in splits:
@@ -86,7 +89,8 @@ def compute_reference(
         for start in range(0, per_process, micro_batch_size):
             rows = split.select(mine[start : start + micro_batch_size]).to_list()
             batch = {key: value.to(accelerator.device) for key, value in collate(rows).items()}
-            logps = sequence_logps(model, batch, loss_path).double()
+            logps = sequence_logps(model, batch, loss_path)
+            logps = (sp.sum(logps) if sp is not None else logps).double()
             pairs = len(rows)
             values.append(torch.stack([logps[:pairs], logps[pairs:]], dim=1))
             owners.append(batch["pair_index"])

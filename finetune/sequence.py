@@ -77,6 +77,17 @@ class SequenceParallel:
         """This process's slice of a collated batch (on the host, as it is collated). See `split_batch`."""
         return split_batch(batch, self.size, self.rank)
 
+    def sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """Per-sequence sums over the group's slices (differentiable): each process's share added up."""
+        return sum_over_group(partial, self.group)
+
+    @property
+    def share(self) -> float:
+        """What this process counts of a value every process of the group computed alike (a pair's loss from the
+        group's summed log-probabilities): all of it on the group's first process, none on the others, so that
+        summed over processes it counts once (the gradient still reaches every slice, through `sum`)."""
+        return 1.0 if self.rank == 0 else 0.0
+
 
 def sequence_parallel(accelerator: Accelerator) -> SequenceParallel | None:
     """This process's sequence group, when the launch has them (`finetune.distributed` attached the mesh)."""
@@ -93,6 +104,12 @@ def data_parallel_size(accelerator: Accelerator) -> int:
     return accelerator.num_processes // (sp.size if sp is not None else 1)
 
 
+def data_parallel_rank(accelerator: Accelerator) -> int:
+    """This process's place among the `data_parallel_size` ones (a sequence group's processes share it)."""
+    sp = sequence_parallel(accelerator)
+    return accelerator.process_index // (sp.size if sp is not None else 1)
+
+
 def gather_rows(accelerator: Accelerator, sums: T) -> T:
     """accelerate's `gather_for_metrics` of per-row sums (one value per row of this process's micro-batch): every
     row once, the rows accelerate repeated to even out the last batch dropped. Under sequence parallelism each
@@ -105,7 +122,7 @@ def gather_rows(accelerator: Accelerator, sums: T) -> T:
     for values in sums:
         values = values.clone()
         dist.all_reduce(values, group=sp.group)
-        every = accelerator.gather(values).reshape(accelerator.num_processes, -1)[:: sp.size].reshape(-1)
+        every = accelerator.gather(values).unflatten(0, (accelerator.num_processes, -1))[:: sp.size].flatten(0, 1)
         state = accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
             every = every[: state.remainder]
@@ -135,8 +152,15 @@ class _SumOverGroup(torch.autograd.Function):
         return summed, None
 
 
+_PADDING = {"input_ids": 0, "target_ids": IGNORE, "sequence_ids": -1}
+"""The per-position fields of a batch that are sliced, with what pads a row to a length the group divides."""
+_WHOLE = ("pair_index", "sequence_targets")
+"""Preference pairs' per-pair and per-sequence fields, which every slice carries whole."""
+
+
 def split_batch(batch: Batch, size: int, rank: int) -> Batch:
-    """Slice `rank` of `size` of a batch of supervised rows: every row cut into `size` contiguous pieces.
+    """Slice `rank` of `size` of a batch of rows (sequences, or preference pairs' sequences): every row cut into
+    `size` contiguous pieces.
 
     Slices keep their global `position_ids` (padded rows get theirs here: the model would count each slice from
     0), and packed rows keep the whole rows' `cu_seq_lens`, which the attention reads once the exchange made the
@@ -152,17 +176,10 @@ def split_batch(batch: Batch, size: int, rank: int) -> Batch:
     else:
         positions = torch.arange(length).expand(rows, length)
         real = batch["attention_mask"].bool()
-    whole = {
-        "input_ids": batch["input_ids"],
-        "target_ids": batch["target_ids"],
-        "position_ids": positions,
-        "real": real,
-    }
+    whole = {key: batch[key] for key in _PADDING if key in batch} | {"position_ids": positions, "real": real}
     padding = -length % size
     if padding:
-        fill = {
-            "input_ids": torch.zeros(rows, padding, dtype=batch["input_ids"].dtype),
-            "target_ids": torch.full((rows, padding), IGNORE, dtype=batch["target_ids"].dtype),
+        fill = {key: torch.full((rows, padding), value) for key, value in _PADDING.items()} | {
             "position_ids": torch.arange(padding).expand(rows, padding) + (0 if packed else length),
             "real": torch.zeros(rows, padding, dtype=torch.bool),
         }
@@ -178,4 +195,7 @@ def split_batch(batch: Batch, size: int, rank: int) -> Batch:
         part["attention_mask"] = real.long()
     part["num_tokens"] = real.sum()
     part["kept_index"] = kept_positions(part["target_ids"])
+    for key in _WHOLE:  # per sequence or pair, not per position
+        if key in batch:
+            part[key] = batch[key]
     return part  # type: ignore[return-value]

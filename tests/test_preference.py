@@ -497,6 +497,39 @@ def test_one_process_with_eight_micro_batches_equals_two_processes_with_four(dpo
 
 
 @pytest.mark.multiprocess
+def test_pairs_split_over_a_sequence_group_train_what_whole_pairs_train(dpo_run, demo_assets, tmp_path):
+    """sp=2: each process holds half of every pair's sequences; the group adds up their log-probabilities (the
+    precomputed reference's too), so losses, eval metrics and weights are those of whole pairs (the fixture: 2
+    data-parallel processes of 4 pairs)."""
+    data = tmp_path / "pairs"  # a copy, so that no cached reference is found: the group computes its own
+    data.mkdir()
+    for name in ("pairs_train.jsonl", "pairs_eval.jsonl"):
+        shutil.copy(demo_assets / "data" / name, data / name)
+    split = preference_run(
+        tmp_path, demo_assets, config="sequence_parallel.yaml",
+        launch_args=("--parallelism_config_sp_size", "2"),
+        **{
+            "train.micro_batch_size": 8, "model.attn_implementation": "varlen", "checkpoint.save_every_steps": 0,
+            "data.train_path": data / "pairs_train.jsonl", "data.eval_path": data / "pairs_eval.jsonl",
+        },
+    )  # fmt: skip
+    assert "rows split over sequence groups of 2" in split.log
+    assert "reference: log-probabilities of 6,200 pairs precomputed" in split.log
+    ours, theirs = split.metrics(), dpo_run.metrics()
+    for key in ("loss", "eval_loss"):
+        mine, fixture = [m for m in ours if key in m], [m for m in theirs if key in m]
+        assert [m["step"] for m in mine] == [m["step"] for m in fixture]
+        for a, b in zip(mine, fixture, strict=True):
+            assert a[key] == pytest.approx(b[key], abs=1e-5)
+            accuracy = key.replace("loss", "rewards/accuracies")
+            assert a[accuracy] == pytest.approx(b[accuracy], abs=1e-6)
+    assert [m["pairs"] for m in ours if "loss" in m] == [8] * 8
+    a = load_file(split.output_dir / "final" / "model.safetensors")
+    b = load_file(dpo_run.output_dir / "final" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("processes", "tolerance"), [(2, 0.0), (1, 1e-5)])
 def test_resume_is_exact_and_reads_the_precomputed_reference(dpo_run, demo_assets, tmp_path, processes, tolerance):
     output_dir = tmp_path / "out"

@@ -47,6 +47,7 @@ from finetune.reference import (
     write_reference,
 )
 from finetune.routing import route_in_fp32
+from finetune.sequence import SequenceParallel, gather_rows, sequence_parallel
 from finetune.wrap import reshard, shard_frozen
 
 if TYPE_CHECKING:
@@ -115,21 +116,32 @@ class Preference:
     """precomputed: (pairs, 2), the reference's chosen and rejected log-probabilities, by pair index."""
     reference_model: torch.nn.Module | None = None
     """model: the frozen reference, sharded as the policy is (`wrap.shard_frozen`)."""
+    sequence: SequenceParallel | None = None
+    """Under sequence parallelism: each process holds slices of the pairs' sequences, whose log-probabilities the
+    group adds up; every process of the group then has the pairs' losses, which its first process counts."""
     unit_name: str = "pairs"
     metric_names: tuple[str, ...] = METRICS
     progress_name: str | None = "rewards/accuracies"
 
+    @property
+    def share(self) -> float:
+        return self.sequence.share if self.sequence is not None else 1.0
+
     def count(self, batch: Batch) -> torch.Tensor:
         index = batch["pair_index"]
-        return torch.full((), index.shape[0], dtype=torch.int64, device=index.device)
+        return torch.full((), index.shape[0] * self.share, dtype=torch.float64, device=index.device)
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         result, policy = self._pairs(model, batch)
-        return result.losses.sum(), _sums(result, policy)
+        return result.losses.sum() * self.share, _sums(result, policy) * self.share
+
+    def _logps(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        logps = sequence_logps(model, batch, self.loss_path)
+        return self.sequence.sum(logps) if self.sequence is not None else logps
 
     def _pairs(self, model: torch.nn.Module, batch: Batch) -> tuple[PairLosses, torch.Tensor]:
         pairs = batch["pair_index"].shape[0]
-        policy = sequence_logps(model, batch, self.loss_path)
+        policy = self._logps(model, batch)
         reference = self.reference_of(model, batch)
         tokens = batch["sequence_targets"].to(policy.device, torch.float32)
         result = pair_losses(
@@ -145,12 +157,12 @@ class Preference:
             return None
         if self.reference == "model":
             with torch.no_grad():
-                return sequence_logps(self.reference_model, batch, self.loss_path)
+                return self._logps(self.reference_model, batch)
         if self.reference == "adapters":
             from finetune.adapters import adapters_disabled
 
             with torch.no_grad(), adapters_disabled(model):
-                return sequence_logps(model, batch, self.loss_path)
+                return self._logps(model, batch)
         table = self.reference_logps.index_select(0, batch["pair_index"].to(self.reference_logps.device))  # (pairs, 2)
         return torch.cat([table[:, 0], table[:, 1]]).to(batch["input_ids"].device, torch.float32)
 
@@ -165,9 +177,9 @@ class Preference:
         pairs = 0
         for batch in loader:
             result, policy = self._pairs(model, batch)
-            per_pair = torch.stack([result.losses.detach(), *_per_pair(result, policy)], dim=1)
-            # gather_for_metrics drops the pairs accelerate duplicated to give every process equal batches.
-            per_pair = accelerator.gather_for_metrics(per_pair)
+            per_pair = torch.stack([result.losses.detach(), *_per_pair(result, policy)], dim=1) * self.share
+            # Without the pairs accelerate duplicated to give every process equal batches.
+            (per_pair,) = gather_rows(accelerator, (per_pair,))
             sums += per_pair.double().sum(dim=0).cpu()
             pairs += per_pair.shape[0]
         reshard(model)
@@ -209,7 +221,7 @@ class PreferenceBuilder:
         """A preference run with a precomputed reference computes it here (collective), or reads it: from the
         output dir when resuming, from beside the tokenized data when this base and data computed it before."""
         reference = self.cfg.resolved_reference(adapters=context.weights.trains_adapters)
-        objective = Preference(self.cfg, context.loss_path, reference)
+        objective = Preference(self.cfg, context.loss_path, reference, sequence=sequence_parallel(context.accelerator))
         if reference == "model":
             objective.reference_model = self._reference_model(context)
         if reference != "precomputed":
