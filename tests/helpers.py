@@ -103,10 +103,17 @@ def recipe_overrides(assets: Path, output_dir: Path, **extra) -> list[str]:
 
 
 def launched_run(
-    tmp_path_factory, assets: Path, name: str, config: str, num_processes: int = 2, **extra
+    tmp_path_factory,
+    assets: Path,
+    name: str,
+    config: str,
+    num_processes: int = 2,
+    launch_args: tuple[str, ...] = (),
+    **extra,
 ) -> LaunchedRun:
     output_dir = tmp_path_factory.mktemp(name) / "out"
-    result = launch(config, recipe_overrides(assets, output_dir, **extra), num_processes=num_processes)
+    overrides = recipe_overrides(assets, output_dir, **extra)
+    result = launch(config, overrides, num_processes=num_processes, launch_args=launch_args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return LaunchedRun(result, output_dir)
 

@@ -42,6 +42,8 @@ from finetune.plan import estimate, model_shape, planned_model
 
 pytestmark = pytest.mark.multiprocess
 
+SEQUENCE_GROUPS_OF_2 = ("--parallelism_config_sp_size", "2")
+
 LORA = {
     **CHECKPOINT_SETTINGS,
     "peft.r": 8,
@@ -55,6 +57,24 @@ LORA = {
 def lora_run(tmp_path_factory, demo_assets) -> LaunchedRun:
     """LoRA under FSDP2 full shard on 2 processes: checkpoints at steps 4, 6 and 8, the adapter exported."""
     return launched_run(tmp_path_factory, demo_assets, "lora", "fsdp2_full_shard.yaml", **LORA)
+
+
+def test_adapters_on_rows_split_over_a_sequence_group_train_what_whole_rows_train(
+    lora_run, tmp_path_factory, demo_assets
+):
+    """LoRA with every row split over 2 processes (sp=2, 16 rows a micro-batch) trains the adapter that 2
+    data-parallel processes of 8 rows train."""
+    split = launched_run(
+        tmp_path_factory, demo_assets, "lora_sp2", "sequence_parallel.yaml",
+        launch_args=(*SEQUENCE_GROUPS_OF_2, "--fsdp_cpu_ram_efficient_loading", "false"),
+        **LORA, **{"train.micro_batch_size": 16, "model.attn_implementation": "varlen"},
+    )  # fmt: skip
+    assert "rows split over sequence groups of 2" in split.log
+    ours = load_file(split.output_dir / "final" / "adapter_model.safetensors")
+    theirs = load_file(lora_run.output_dir / "final" / "adapter_model.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= 1e-5
+    assert split.losses() == pytest.approx(lora_run.losses(), abs=1e-5)
 
 
 def test_checkpoints_hold_the_adapters_and_never_the_base(lora_run, one_process_run):
