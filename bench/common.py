@@ -198,14 +198,16 @@ class Bench:
         partial.rename(folder)
         return folder
 
-    def finetune_run(self, name: str, size: Size, config: str, processes: int = 2, **overrides) -> dict:
+    def finetune_run(
+        self, name: str, size: Size, config: str, processes: int = 2, launch_args: tuple[str, ...] = (), **overrides
+    ) -> dict:
         """One `accelerate launch -m finetune train` of the demo recipe on the bench model; its metrics."""
-        command, out = self.finetune_command(name, size, config, processes, **overrides)
+        command, out = self.finetune_command(name, size, config, processes, launch_args, **overrides)
         _run(command)
         return _metrics(out / "metrics.jsonl")
 
     def finetune_command(
-        self, name: str, size: Size, config: str, processes: int = 2, **overrides
+        self, name: str, size: Size, config: str, processes: int = 2, launch_args: tuple[str, ...] = (), **overrides
     ) -> tuple[list[str], Path]:
         """The launch of `finetune_run`, and the output folder it writes."""
         out = self.work / "runs" / name
@@ -228,6 +230,6 @@ class Bench:
         command = [
             sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
             "--num_processes", str(processes), "--mixed_precision", "no", "--main_process_port", str(_free_port()),
-            "-m", "finetune", "train", str(RECIPE), *[f"{k}={v}" for k, v in values.items()],
+            *launch_args, "-m", "finetune", "train", str(RECIPE), *[f"{k}={v}" for k, v in values.items()],
         ]  # fmt: skip
         return command, out

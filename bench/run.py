@@ -37,10 +37,10 @@ from pathlib import Path
 from common import REPO, Bench, _git
 
 SECTIONS = ("data_pipeline", "packing", "loss_path", "loop_overhead", "trainer", "checkpoint_save", "scaling",
-            "export", "lora_vs_full", "trl_lora", "dpo", "moe", "merge")  # fmt: skip
+            "export", "lora_vs_full", "trl_lora", "dpo", "moe", "merge", "long_context")  # fmt: skip
 """Every comparison, in the order `make bench` runs them: each a module of bench/comparisons/."""
 TABLE = ("loop_overhead", "trainer", "export", "checkpoint_save", "data_pipeline", "packing", "loss_path",
-         "lora_vs_full", "trl_lora", "dpo", "moe", "merge")  # fmt: skip
+         "lora_vs_full", "trl_lora", "dpo", "moe", "merge", "long_context")  # fmt: skip
 """The comparison table's rows, in the table's order (scaling has a table of its own)."""
 COMPARISONS = {name: importlib.import_module(f"comparisons.{name}") for name in SECTIONS}
 
