@@ -167,7 +167,9 @@ def mesh_sizes() -> MeshSizes | None:
     if sizes["tp"] * sizes["cp"] != 1:
         raise FinetuneError(
             "finetune trains with data and sequence parallelism; set parallelism_config_tp_size and _cp_size to 1 "
-            "(for long rows, parallelism_config_sp_size splits each row over that many processes, packing intact)"
+            "(torch's context parallelism replaces each layer's mask by causal attention, which packed rows cannot "
+            "take, and has no CPU kernel; for long rows parallelism_config_sp_size splits each row over that many "
+            "processes, packing intact)"
         )
     sequence = sizes["sp"]
     if world % sequence:

@@ -228,11 +228,20 @@ def launch_problems(launch: Launch, raw: dict, environ: Mapping[str, str], for_l
             f"NUM_MACHINES={machines} but this SLURM job has {slurm_nodes} nodes; "
             "set NUM_MACHINES=$SLURM_JOB_NUM_NODES"
         )
+    parallelism = raw.get("parallelism_config") or {}
+    for name in ("tp", "cp"):
+        if int(parallelism.get(f"parallelism_config_{name}_size", 1)) != 1:
+            problems.append(
+                f"parallelism_config_{name}_size: finetune trains with data and sequence parallelism (torch's "
+                "context parallelism replaces each layer's mask by causal attention, which packed rows cannot take, "
+                f"and has no CPU kernel); remove it, and for long rows set parallelism_config_sp_size instead"
+            )
     sequence = launch.sequence_parallel
     if sequence > 1 and launch.fsdp_version != 2:
         problems.append(
             f"parallelism_config_sp_size={sequence} (sequence parallelism) shards the model with FSDP2, not "
-            f"{'DDP' if launch.strategy == 'ddp' else 'FSDP1'}; start from accelerate_configs/sequence_parallel.yaml"
+            f"{'FSDP1' if launch.fsdp_version == 1 else 'distributed_type: ' + str(raw.get('distributed_type'))}; "
+            "start from accelerate_configs/sequence_parallel.yaml"
         )
     if processes % max(sequence, 1):
         problems.append(

@@ -149,6 +149,16 @@ def test_sp2_by_dp2_on_4_processes_trains_what_one_process_trains(one_process, t
 
 
 @pytest.mark.multiprocess
+def test_sp4_with_fewer_key_value_heads_than_processes_trains_what_one_process_trains(
+    one_process, tmp_path_factory, demo_assets
+):
+    """4 query heads and 2 key/value heads over 4 processes: each query head takes its own key/value copy."""
+    run = _train(tmp_path_factory, demo_assets, "sp4", SP_CONFIG, 4, 8, sp=4)
+    assert "rows split over sequence groups of 4" in run.log
+    assert _difference(run, one_process) <= 1e-5
+
+
+@pytest.mark.multiprocess
 def test_sp2_on_padded_rows_trains_what_one_process_trains(tmp_path_factory, demo_assets):
     one = _train(tmp_path_factory, demo_assets, "padded_reference", "single_gpu.yaml", 1, 8, packing=False)
     split = _train(tmp_path_factory, demo_assets, "padded_sp2", SP_CONFIG, 2, 8, sp=2, packing=False)
@@ -176,10 +186,12 @@ def test_check_refuses_what_sequence_groups_cannot_serve(tmp_path, demo_assets):
     """`finetune check`: sp under DDP, an sp that does not divide the processes or the heads, attention other than
     varlen: one line each, naming the fix, before anything starts."""
 
-    def check(sp: int, processes: int, distributed: str = "FSDP", attention: str = "varlen") -> str:
+    def check(sp: int, processes: int, distributed: str = "FSDP", attention: str = "varlen", cp: int = 1) -> str:
         config = yaml.safe_load((CONFIGS / SP_CONFIG).read_text())
         config.update(num_processes=processes, distributed_type=distributed)
         config["parallelism_config"]["parallelism_config_sp_size"] = sp
+        if cp > 1:
+            config["parallelism_config"]["parallelism_config_cp_size"] = cp
         if distributed != "FSDP":
             config.pop("fsdp_config")
         path = tmp_path / f"sp{sp}_{processes}_{distributed}.yaml"
@@ -194,7 +206,8 @@ def test_check_refuses_what_sequence_groups_cannot_serve(tmp_path, demo_assets):
         return result.stdout + result.stderr
 
     assert "model: " in check(2, 2)
-    assert "shards the model with FSDP2, not DDP" in check(2, 2, distributed="MULTI_GPU")
+    assert "shards the model with FSDP2, not distributed_type: MULTI_GPU" in check(2, 2, distributed="MULTI_GPU")
     assert "does not divide NUM_PROCESSES=3 into whole sequence groups" in check(2, 3)
     assert "which 3 does not divide; set parallelism_config_sp_size to a divisor of 4" in check(3, 3)
     assert "set model.attn_implementation: varlen (not sdpa)" in check(2, 2, attention="sdpa")
+    assert "for long rows set parallelism_config_sp_size instead" in check(1, 2, cp=2)
