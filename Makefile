@@ -25,7 +25,7 @@ MAIN_PROCESS_PORT ?= 29500
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b train-70b train-qwen-7b train-mistral-7b \
-	train-8b-lora train-qwen-7b-lora train-70b-qlora train-qwen3-8b train-qwen3-8b-128k train-qwen3-30b-a3b \
+	train-8b-lora train-qwen-7b-lora train-70b-qlora train-qwen3-8b train-qwen3-8b-128k train-qwen3-30b-a3b train-qwen3-30b-a3b-64k \
 	train-qwen3-30b-a3b-lora \
 	train-gpt-oss-20b-lora train-mixtral-lora train-qwen-7b-tools train-8b-dpo train-qwen-7b-dpo
 .PHONY: help setup test-fast demo demo-lora demo-dpo train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu \
@@ -128,6 +128,12 @@ train-qwen3-30b-a3b: RECIPE = recipes/qwen/qwen3-30b-a3b.yaml
 train-qwen3-30b-a3b: WRAP = Qwen3MoeDecoderLayer
 train-qwen3-30b-a3b: CONFIG = accelerate_configs/single_node.yaml
 train-qwen3-30b-a3b: NUM_PROCESSES = 8
+train-qwen3-30b-a3b-64k: ## Qwen3-30B-A3B, reasoning traces up to 65,536 tokens, 2 nodes x 8 GPUs, rows split per node
+train-qwen3-30b-a3b-64k: RECIPE = recipes/qwen/qwen3-30b-a3b-reasoning-64k.yaml
+train-qwen3-30b-a3b-64k: WRAP = Qwen3MoeDecoderLayer
+train-qwen3-30b-a3b-64k: CONFIG = accelerate_configs/sequence_parallel_multi_node.yaml
+train-qwen3-30b-a3b-64k: NUM_PROCESSES = 16
+train-qwen3-30b-a3b-64k: NUM_MACHINES = 2
 train-mistral-7b: ## Mistral-7B-Instruct-v0.3, UltraChat, 8 GPUs, single-node preset
 train-mistral-7b: RECIPE = recipes/mistral/mistral-7b.yaml
 train-mistral-7b: WRAP = MistralDecoderLayer

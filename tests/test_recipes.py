@@ -33,6 +33,7 @@ MODELS = {
     "recipes/qwen/qwen3-8b-reasoning.yaml": ("Qwen3DecoderLayer", 8_190_735_360),  # 8.2B, 6.95B without embeddings
     "recipes/qwen/qwen3-8b-reasoning-128k.yaml": ("Qwen3DecoderLayer", 8_190_735_360),
     "recipes/qwen/qwen3-30b-a3b.yaml": ("Qwen3MoeDecoderLayer", 30_532_122_624),  # 30.5B, 3.3B active
+    "recipes/qwen/qwen3-30b-a3b-reasoning-64k.yaml": ("Qwen3MoeDecoderLayer", 30_532_122_624),
     "recipes/qwen/qwen3-30b-a3b-lora.yaml": ("Qwen3MoeDecoderLayer", 30_532_122_624),
     "recipes/gpt-oss/gpt-oss-20b-lora.yaml": ("GptOssDecoderLayer", 20_914_757_184),  # 20.9B, 3.6B active
     "recipes/mistral/mixtral-8x7b-lora.yaml": ("MixtralDecoderLayer", 46_702_792_704),  # 46.7B, 12.9B active
