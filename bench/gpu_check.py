@@ -15,7 +15,9 @@ capped and skipped with a line once too little of the budget is left for it:
 4. bench: bench/gpu.py's best-known variant (chunked loss, varlen attention), with and without regional
    compilation, at micro-batch 8 and 16: tokens/s, MFU, fill and peak memory; each launch records one late
    step with the torch profiler (left out of its rates), which costs no launch of its own;
-5. profile: the operator table of the fastest of those.
+5. profile: the operator table of the fastest of those;
+6. long-context: the longest row Llama-3.2-1B (full) and Llama-3.1-8B (LoRA) train on the GPU, without and with
+   train.activation_offload, and their tokens/s (bench/long_context_gpu.py), when the budget has room left.
 
 Without a GPU each step runs its CPU form ("no GPU: dry run"): the CUDA tests collected, not run; the demo
 for a few steps; bench/gpu.py --quick. The tests run that, so a broken check shows in CI, not on the GPU.
@@ -134,6 +136,7 @@ def main() -> None:
         ("demo", 120, 30, demo),
         ("bench", 300, 60, bench),
         ("profile", 10, 1, profile),
+        ("long-context", 240, 90, long_context),
     ]
     for name, cap, least, body in plan:
         step = Step(name)
@@ -283,6 +286,24 @@ def profile(check: Check, step: Step, cap: float) -> None:
     step.lines.append(f"{best['variant']}, micro-batch {best['micro_batch']}: {table.name}")
     lines = table.read_text().splitlines()
     step.lines += [re.sub(r"\s{2,}", "  ", line.strip()) for line in lines[1:2] + lines[3:13]]
+
+
+def long_context(check: Check, step: Step, cap: float) -> None:
+    """bench/long_context_gpu.py: the longest row Llama-3.2-1B (full) and Llama-3.1-8B (LoRA) train on this GPU,
+    without and with activation offload, and their tokens/s; its results go into the summary (no file of its own:
+    the folder's 8 are taken). Without a GPU, its tiny CPU form."""
+    results = check.work / "long_context.json"
+    command = [sys.executable, str(REPO / "bench" / "long_context_gpu.py"), str(results), "--budget", str(cap - 30)]
+    returncode, output = check.run(command + ([] if check.gpu else ["--quick"]), "bench.log", cap)
+    if returncode != 0 or not results.exists():
+        step.status = "failed" if returncode is not None else "timed out"
+        step.lines.append(output.strip().splitlines()[-1] if output.strip() else "no output")
+        return
+    for run in json.loads(results.read_text())["runs"]:
+        longest = run["longest"]
+        tried = ", ".join(f"{t['length']:,}{'' if t['fits'] else ' (out of memory)'}" for t in run["tried"])
+        fit = f"{longest['length']:,} tokens at {longest['tokens_per_second']:.0f} tokens/s" if longest else "none"
+        step.lines.append(f"{run['case']}{', offload' if run['offload'] else ''}: longest {fit} (tried {tried})")
 
 
 def _bench_results(folder: Path) -> dict | None:

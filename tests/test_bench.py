@@ -120,7 +120,7 @@ def test_gpu_check_dry_runs_every_step_in_its_cpu_form(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "gpu-check: no GPU: dry run" in result.stdout and summary["mode"] == "no GPU: dry run"
     steps = {step["name"]: step for step in summary["steps"]}
-    assert list(steps) == ["environment", "test-gpu", "demo", "bench", "profile"]
+    assert list(steps) == ["environment", "test-gpu", "demo", "bench", "profile", "long-context"]
     assert all(step["status"] == "passed" for step in steps.values()), summary
     assert "torch " in steps["environment"]["lines"][-1] and "transformers " in steps["environment"]["lines"][-1]
     assert "tests collected" in steps["test-gpu"]["lines"][0]
@@ -134,6 +134,11 @@ def test_gpu_check_dry_runs_every_step_in_its_cpu_form(tmp_path):
     assert "aten::mm" in (tmp_path / "out" / table).read_text()
     results = json.loads((tmp_path / "out" / (table.split("-profile-")[0] + ".json")).read_text())
     assert [row["micro_batch"] for row in results["rows"]] == [8, 16]
+    # The long-context search in its CPU form: both models, without and with offload, each fitting 512 tokens.
+    assert [line.split(": ")[0] for line in steps["long-context"]["lines"]] == [
+        "llama-3.2-1b full", "llama-3.2-1b full, offload", "llama-3.1-8b lora", "llama-3.1-8b lora, offload"
+    ]  # fmt: skip
+    assert all("longest 512 tokens at " in line for line in steps["long-context"]["lines"])
     assert all(positive(row["fill"]) and row["fill"] <= 1 for row in results["rows"])
 
 
