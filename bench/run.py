@@ -142,7 +142,3 @@ def plot(curves: dict[str, list[float]], results: dict, stem: Path) -> None:
 
 if __name__ == "__main__":
     main()
-
-
-if __name__ == "__main__":
-    main()

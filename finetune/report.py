@@ -15,7 +15,7 @@ from finetune.checkpoint import recipe_changes
 from finetune.config import RecipeConfig
 from finetune.distributed import compute_dtype, local_params_fingerprint, shard_report, strategy_name
 from finetune.model import DTYPES
-from finetune.sequence import data_parallel_size
+from finetune.sequence import data_parallel_size, sequence_parallel
 from finetune.wrap import format_wrap_plan, fsdp_units
 
 
@@ -37,6 +37,7 @@ def log_setup(run: Run, resume_from: Path | None) -> None:
         f"batch: {recipe.train.micro_batch_size} x {recipe.train.gradient_accumulation_steps} accumulation x "
         f"{processes} {kind}processes = {global_batch} {run.unit_noun} per step, {run.max_steps} steps",
         run.data.train_stats.describe("train data"),
+        sequence_line(accelerator, recipe),
     ]
     compiled = sum(getattr(module, "_compiled_call_impl", None) is not None for module in model.modules())
     if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
@@ -56,6 +57,22 @@ def log_setup(run: Run, resume_from: Path | None) -> None:
     for line in lines:
         if line is not None:
             accelerator.print(line)
+
+
+def sequence_line(accelerator: Accelerator, recipe: RecipeConfig) -> str | None:
+    """What each process holds of a row under sequence parallelism, and the padding a split adds (None without)."""
+    sp = sequence_parallel(accelerator)
+    if sp is None:
+        return None
+    length = recipe.data.max_length
+    padded = -length % sp.size
+    if recipe.data.packing:
+        pad = f"; rows padded from {length:,} to {length + padded:,} tokens to split evenly" if padded else ""
+        return f"sequence parallelism: each process holds {(length + padded) // sp.size:,} tokens of every row{pad}"
+    return (
+        f"sequence parallelism: each process holds 1/{sp.size} of every row (rows padded at their end to a multiple "
+        f"of {sp.size} tokens where needed: positions no target reads)"
+    )
 
 
 def attention_line(accelerator: Accelerator, recipe: RecipeConfig, model: torch.nn.Module) -> str:

@@ -126,6 +126,7 @@ def sp2(tmp_path_factory, demo_assets) -> LaunchedRun:
 def test_sp2_trains_what_one_process_trains(one_process, sp2, demo_assets):
     assert "rows split over sequence groups of 2 (all-to-all attention)" in sp2.log
     assert "layer inputs kept in host memory until their backward" in sp2.log
+    assert "sequence parallelism: each process holds 64 tokens of every row" in sp2.log
     assert "8 x 1 accumulation x 1 data-parallel processes = 8 sequences per step" in sp2.log
     assert _difference(sp2, one_process) <= 1e-5
     assert sp2.losses() == pytest.approx(one_process.losses(), rel=1e-5)
