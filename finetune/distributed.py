@@ -495,9 +495,10 @@ def strategy_name(accelerator: Accelerator) -> str:
     if plugin.fsdp_version == 2:
         detail = f"reshard_after_forward={plugin.reshard_after_forward}"
         mesh = accelerator.parallelism_config
-        if mesh is not None and mesh.dp_replicate_enabled:
-            detail = f"hybrid: {mesh.dp_replicate_size} replicas x {mesh.dp_shard_size}-process shard groups, {detail}"
         sp = sequence.sequence_parallel(accelerator)
+        if mesh is not None and mesh.dp_replicate_enabled:
+            shard = mesh.dp_shard_size * (sp.size if sp is not None else 1)  # sharded over data x sequence processes
+            detail = f"hybrid: {mesh.dp_replicate_size} replicas x {shard}-process shard groups, {detail}"
         if sp is not None:
             detail = f"rows split over sequence groups of {sp.size} (all-to-all attention), {detail}"
     else:
