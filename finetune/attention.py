@@ -32,6 +32,11 @@ _sequence_group: dist.ProcessGroup | None = None
 """Under sequence parallelism (`finetune.sequence`), the processes a row is split over; None otherwise."""
 
 
+def current_sequence_group() -> dist.ProcessGroup | None:
+    """The group rows are split over (`split_rows_over`), or None."""
+    return _sequence_group
+
+
 def rows_split() -> bool:
     """Whether rows are split over a sequence group (their attention flattens them, not `loss.model_inputs`)."""
     return _sequence_group is not None

@@ -44,6 +44,7 @@ from finetune.config import RecipeConfig
 from finetune.data import Data, build_data, check_sources
 from finetune.distributed import broadcast_module_states, build_accelerator, compute_dtype, rank_zero_loading
 from finetune.errors import FinetuneError
+from finetune.generation import GenerationEval
 from finetune.launch import environment_problems
 from finetune.loss import LossPath, choose_loss_path
 from finetune.model import (
@@ -103,6 +104,8 @@ class Run:
     """Log lines of what the build chose (activation checkpointing, loss path, routing), if any."""
     write_objective_files: Callable[[], None]
     """Writes the objective's files into the output dir once it is claimed (main process)."""
+    generation: GenerationEval | None = None
+    """eval.generate: held-out prompts answered and scored at every evaluation, whatever the objective."""
 
 
 def preflight(recipe: RecipeConfig) -> Path | None:
@@ -157,8 +160,14 @@ def build_run(recipe: RecipeConfig, resume_from: Path | None) -> Run:
         recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, max_steps,
         Path(recipe.output.dir), write_model_files, names, save_state, loss_path, objective, builder.name, start,
         data, weights, builder.unit_noun, started_on_meta, [policy_line, loss_line, routing_line],
-        write_objective_files,
+        write_objective_files, setup_generation(recipe, data, tokenizer),
     )  # fmt: skip
+
+
+def setup_generation(recipe: RecipeConfig, data: Data, tokenizer: PreTrainedTokenizerBase) -> GenerationEval | None:
+    """eval.generate's prompts and scoring, or None (loss-only evaluation)."""
+    generate = recipe.eval.generate
+    return GenerationEval(generate, data.prompts, tokenizer) if generate is not None and data.prompts else None
 
 
 def setup_accelerator(recipe: RecipeConfig) -> tuple[Accelerator, Policy, str | None]:
@@ -202,7 +211,7 @@ def setup_data(
     sp = sequence.sequence_parallel(accelerator)
     return build_data(
         recipe.data, tokenizer, accelerator, seed=recipe.train.seed, micro_batch_size=recipe.train.micro_batch_size,
-        samples=builder.samples, split=sp.split if sp is not None else None,
+        samples=builder.samples, split=sp.split if sp is not None else None, generate=recipe.eval.generate,
     )  # fmt: skip
 
 

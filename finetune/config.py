@@ -372,6 +372,40 @@ class OutputConfig:
 
 
 @dataclass(kw_only=True)
+class GenerateConfig:
+    """Evaluation by generation (`finetune.generation`): held-out prompts answered greedily at every evaluation."""
+
+    samples: int = 200
+    """How many eval samples are answered: the first ones of the eval split."""
+
+    max_new_tokens: int = 64
+    """The longest completion generated."""
+
+    metric: Literal["exact_match", "contains"] = "exact_match"
+    """`exact_match`: the completion (without special tokens, stripped) equals the reference; `contains`: the
+    reference appears in it."""
+
+    column: str | None = None
+    """The column holding each sample's reference; unset: the conversation's last assistant turn, or the
+    completion of a prompt/completion sample."""
+
+    def errors(self) -> list[str]:
+        errors = []
+        for name in ("samples", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                errors.append(f"eval.generate.{name} must be >= 1, got {getattr(self, name)}")
+        return errors
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """What an evaluation measures besides the objective's loss."""
+
+    generate: GenerateConfig | None = None
+    """Answer held-out prompts by generation and score them (`finetune.generation`); unset: loss only."""
+
+
+@dataclass(kw_only=True)
 class CheckpointConfig:
     save_every_steps: int = 0
     """Save a checkpoint every this many optimizer steps and at the last step (0 = no checkpoints)."""
@@ -542,6 +576,7 @@ class RecipeConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     peft: PeftConfig | None = None
     preference: PreferenceConfig | None = None
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def cross_field_errors(self) -> list[str]:
         """Problems that involve more than one section, each with its fix (each section checks its own fields)."""
@@ -559,6 +594,11 @@ class RecipeConfig:
             errors.append(f"train.objective={objective} is not module:attribute (e.g. mypackage.losses:Weighted)")
         if objective is not None and self.preference is not None:
             errors.append("train.objective names an objective of its own; remove it or the preference section")
+        if self.eval.generate is not None and not (self.data.eval_path or self.data.eval_fraction > 0):
+            errors.append(
+                "eval.generate answers held-out prompts, and there is no eval data; set data.eval_path or "
+                "data.eval_fraction"
+            )
         if self.preference is None and self.data.format == "preference":
             errors.append("data.format=preference trains on pairs: add a preference section, e.g. preference.loss=dpo")
         if self.preference is not None and self.data.format not in ("auto", "preference"):

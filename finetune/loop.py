@@ -144,6 +144,10 @@ def _evaluate_if_due(run: Run, metrics: MetricsLogger, step: int) -> None:
     every = run.recipe.train.eval_every_steps
     if run.eval_loader is not None and ((every and step % every == 0) or step == run.max_steps):
         evaluated = run.objective.evaluate(run.model, run.eval_loader, run.accelerator)
+        if run.generation is not None:
+            generated = run.generation.evaluate(run.model, run.accelerator)
+            metrics.say(run.generation.describe(step, generated))
+            evaluated |= generated
         metrics.log(step, {f"eval_{name}": value for name, value in evaluated.items()})
 
 

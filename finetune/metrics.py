@@ -49,6 +49,11 @@ class MetricsLogger:
             shown |= {"lr": f"{metrics['lr']:.2e}", "tok_s": f"{metrics['tokens_per_second']:.0f}"}
             self.bar.set_postfix(shown)
 
+    def say(self, line: str) -> None:
+        """A line of the log while training (main process), above the progress bar rather than after it."""
+        if self.enabled:
+            self.bar.write(line)
+
     def advance(self, steps: int = 1) -> None:
         self.bar.update(steps)
 

@@ -26,10 +26,11 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from finetune.batch import Batch
-from finetune.config import DataConfig, SourceConfig
+from finetune.config import DataConfig, GenerateConfig, SourceConfig
 from finetune.data.chat import encode_chats
 from finetune.data.pack import WINDOW, collate_packed, collate_padded, pack
 from finetune.data.preference import PairStats
+from finetune.data.prompts import generation_prompts
 from finetune.data.sources import (
     check_sources,
     hold_out,
@@ -42,6 +43,7 @@ from finetune.data.sources import (
 from finetune.data.tokenize import IGNORE, check_invalid_share, detect_format, tokenize
 from finetune.distributed import main_process_first
 from finetune.errors import FinetuneError
+from finetune.generation import Prompt
 from finetune.quiet import no_datasets_bars
 from finetune.sequence import data_parallel_size
 
@@ -243,6 +245,8 @@ class Data:
     splits: list[datasets.Dataset] = dataclasses.field(default_factory=list)
     """Preference data: the train and eval pairs, numbered in one range (`pair_index`), for the reference."""
     collate: Callable[[list[dict]], dict[str, torch.Tensor]] | None = None
+    prompts: list[Prompt] = dataclasses.field(default_factory=list)
+    """eval.generate: the held-out prompts the model answers at every evaluation (`finetune.generation`)."""
 
 
 def _then(collate: Callable[[list[dict]], Batch], split: Callable[[Batch], Batch]) -> Callable[[list[dict]], Batch]:
@@ -267,6 +271,7 @@ def build_data(
     micro_batch_size: int,
     samples: Samples | None = None,
     split: Callable[[Batch], Batch] | None = None,
+    generate: GenerateConfig | None = None,
 ) -> Data:
     """Train and eval dataloaders (not yet prepared) of the objective's `samples` (sequences unless named), each
     batch cut to this process's slice by `split` under sequence parallelism. The main process tokenizes first;
@@ -289,10 +294,12 @@ def build_data(
             eval_raw = eval_subset(eval_raw, cfg.eval_samples, seed)
         train = samples.prepare(train_raw, tokenizer, cfg, seed)
         if not eval_raw:
-            return train, (None, None)
-        return train, samples.prepare(eval_raw, tokenizer, cfg, seed, evaluation=True, first_index=len(train[0]))
+            return train, (None, None), []
+        prompts = generation_prompts([d for _, d in eval_raw], tokenizer, cfg, generate) if generate else []
+        evaluation = samples.prepare(eval_raw, tokenizer, cfg, seed, evaluation=True, first_index=len(train[0]))
+        return train, evaluation, prompts
 
-    (train_rows, train_stats), (eval_rows, eval_stats) = main_process_first(accelerator, load_and_prepare)
+    (train_rows, train_stats), (eval_rows, eval_stats), prompts = main_process_first(accelerator, load_and_prepare)
     needed = micro_batch_size * data_parallel_size(accelerator)
     if len(train_rows) < needed:
         held_out = ""
@@ -321,4 +328,4 @@ def build_data(
     if eval_rows is not None and len(eval_rows) > 0:
         eval_loader = DataLoader(eval_rows, batch_size=micro_batch_size, collate_fn=collate, **feeding)
     splits = [split for split in (train_rows, eval_rows) if split is not None] if samples.numbered else []
-    return Data(train_loader, eval_loader, train_stats, eval_stats, splits, collate)
+    return Data(train_loader, eval_loader, train_stats, eval_stats, splits, collate, prompts)

@@ -1,0 +1,102 @@
+"""Evaluation by generation (`eval.generate`): held-out prompts answered by the model as it trains, scored the same
+on any process count and layout."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+from helpers import DEMO_RECIPE, LaunchedRun, launch, recipe_overrides
+from transformers import AutoTokenizer
+
+from finetune.config import DataConfig, GenerateConfig, load_recipe
+from finetune.data.prompts import generation_prompts
+from finetune.errors import FinetuneError
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_assets):
+    return AutoTokenizer.from_pretrained(demo_assets / "base")
+
+
+def test_prompts_are_conversations_up_to_their_last_reply_or_prompts_of_completions(tokenizer):
+    chats = datasets.Dataset.from_list([
+        {"messages": [{"role": "user", "content": "1 2 3"}, {"role": "assistant", "content": "3 2 1"}]},
+        {"messages": [{"role": "user", "content": "4 5"}, {"role": "assistant", "content": "5 4"},
+                      {"role": "user", "content": "6 7"}, {"role": "assistant", "content": "7 6"}]},
+    ])  # fmt: skip
+    data = DataConfig(train_path="unused", max_length=128)
+    first, second = generation_prompts([chats], tokenizer, data, GenerateConfig(samples=5))
+    assert first.reference == "3 2 1" and second.reference == "7 6"
+    rendered = tokenizer.apply_chat_template(chats[1]["messages"][:3], tokenize=False, add_generation_prompt=True)
+    assert second.ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert "5 4" in tokenizer.decode(second.ids) and "7 6" not in tokenizer.decode(second.ids)
+    pairs = datasets.Dataset.from_list([{"prompt": "reverse 1 2", "completion": "2 1", "answer": "21"}] * 3)
+    (only,) = generation_prompts([pairs], tokenizer, data, GenerateConfig(samples=1, column="answer"))
+    assert only.reference == "21" and only.ids == tokenizer("reverse 1 2")["input_ids"]
+    with pytest.raises(FinetuneError, match="eval.generate.column=answr is not a column"):
+        generation_prompts([pairs], tokenizer, data, GenerateConfig(column="answr"))
+    pair = datasets.Dataset.from_list([
+        {"prompt": [{"role": "user", "content": "1 2"}], "chosen": [{"role": "assistant", "content": "2 1"}],
+         "rejected": [{"role": "assistant", "content": "1 2"}]},
+    ])  # fmt: skip
+    (preferred,) = generation_prompts([pair], tokenizer, data, GenerateConfig())
+    rendered = tokenizer.apply_chat_template(pair[0]["prompt"], tokenize=False, add_generation_prompt=True)
+    assert preferred.reference == "2 1" and preferred.ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    text = datasets.Dataset.from_list([{"text": "plain"}])
+    with pytest.raises(FinetuneError, match="the eval data is plain text"):
+        generation_prompts([text], tokenizer, data, GenerateConfig())
+
+
+def test_generation_needs_eval_data_and_prompts_of_its_own():
+    with pytest.raises(FinetuneError, match="there is no eval data; set data.eval_path"):
+        load_recipe(DEMO_RECIPE, ["data.eval_path=null", "eval.generate.samples=10"])
+    with pytest.raises(FinetuneError, match="eval.generate.max_new_tokens must be >= 1"):
+        load_recipe(DEMO_RECIPE, ["eval.generate.max_new_tokens=0"])
+
+
+# ---- Real runs: a partly trained demo model answers 200 held-out lists on 1 process, 2, and 2 in a sequence group.
+
+
+@pytest.fixture(scope="module")
+def partly_trained(tmp_path_factory, demo_assets):
+    """The demo model after 60 steps on one process: it reverses some held-out lists and not others."""
+    output_dir = tmp_path_factory.mktemp("partly") / "out"
+    overrides = recipe_overrides(
+        demo_assets, output_dir, **{"train.max_steps": 60, "train.eval_every_steps": 0, "data.eval_path": "null"}
+    )
+    result = launch("single_gpu.yaml", overrides, num_processes=1)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return output_dir / "final"
+
+
+def _answers(tmp_path_factory, assets, base, name: str, config: str, processes: int, *launch_args: str) -> LaunchedRun:
+    output_dir = tmp_path_factory.mktemp(name) / "out"
+    overrides = recipe_overrides(
+        assets, output_dir,
+        **{
+            "model.name_or_path": base, "train.max_steps": 2, "train.eval_every_steps": 2, "optim.lr": "1e-9",
+            "train.micro_batch_size": 8 // (1 if launch_args else processes), "model.attn_implementation": "varlen",
+            "eval.generate.samples": 200, "eval.generate.max_new_tokens": 24,
+        },
+    )  # fmt: skip
+    run = LaunchedRun(launch(config, overrides, num_processes=processes, launch_args=launch_args), output_dir)
+    assert run.result.returncode == 0, run.result.stdout[-3000:] + run.result.stderr[-6000:]
+    return run
+
+
+@pytest.mark.multiprocess
+def test_generation_scores_the_same_on_one_process_two_and_a_sequence_group(
+    tmp_path_factory, demo_assets, partly_trained
+):
+    runs = [
+        _answers(tmp_path_factory, demo_assets, partly_trained, "one", "single_gpu.yaml", 1),
+        _answers(tmp_path_factory, demo_assets, partly_trained, "two", "fsdp2_full_shard.yaml", 2),
+        _answers(tmp_path_factory, demo_assets, partly_trained, "sp2", "sequence_parallel.yaml", 2,
+                 "--parallelism_config_sp_size", "2", "--fsdp_cpu_ram_efficient_loading", "false"),
+    ]  # fmt: skip
+    scores = [[(m["eval_exact_match"], m["eval_completion_tokens"]) for m in r.metrics() if "eval_exact_match" in m]
+              for r in runs]  # fmt: skip
+    assert scores[0] == scores[1] == scores[2] and len(scores[0]) == 1
+    match, tokens = scores[0][0]
+    assert 0.0 < match < 1.0 and tokens > 1  # some lists reversed, some not: the metric is not vacuous
+    assert f"step 2: exact match {round(match * 200)}/200 ({100 * match:.1f}%) by generation" in runs[1].log
