@@ -52,7 +52,7 @@ def build(config_file: str | None, peft: PeftConfig | None, device: torch.device
         from finetune.adapters import add_adapters
 
         model = add_adapters(model, peft)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs("full"))
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs("full"))
     model.train()
     return model
 

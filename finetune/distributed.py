@@ -184,9 +184,9 @@ def mesh_sizes() -> MeshSizes | None:
     if not tiles:
         raise FinetuneError(
             f"hybrid sharding with shard groups of dp_shard_size={shard} and dp_replicate_size={replicate} replicas "
-            f"does not tile the {world // sequence} data-parallel processes ({replicate} x {shard} = "
-            f"{replicate * shard}); set parallelism_config_dp_shard_size to the processes per machine (at least 2, "
-            "dividing the process count) and leave dp_replicate_size out"
+            f"does not tile the {world // sequence} {'data-parallel' if sequence > 1 else 'launched'} processes "
+            f"({replicate} x {shard} = {replicate * shard}); set parallelism_config_dp_shard_size to the processes "
+            "per machine (at least 2, dividing the process count) and leave dp_replicate_size out"
         )
     os.environ["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"] = str(replicate)
     return MeshSizes(replicate, shard, sequence)

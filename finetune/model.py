@@ -404,7 +404,9 @@ def load_model(
     if experts_of(model.config) is not None:
         model.set_experts_implementation(cfg.experts_implementation)
     if activation_checkpointing != "none":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(activation_checkpointing))
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=checkpoint_kwargs(activation_checkpointing)
+        )
     # from_pretrained returns the model in eval mode, where dropout and activation checkpointing are off.
     model.train()
     return model
@@ -433,7 +435,7 @@ def checkpoint_dropout_exactly(plugin: FullyShardedDataParallelPlugin, model: Pr
             f"{offload}): set fsdp_activation_checkpointing: false"
         )
     plugin.activation_checkpointing = False
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs("full"))
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs("full"))
     return (
         f"activation checkpointing: the model trains with dropout ({dropout}), so its layers are checkpointed "
         "by transformers, which replays the dropout masks, not by accelerate's FSDP2 wrapper, which draws new ones"

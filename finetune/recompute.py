@@ -56,7 +56,11 @@ def offload_layer_inputs(model: torch.nn.Module) -> int:
     many layers). torch's checkpoint saves a region's inputs as saved tensors, through the saved-tensor hooks in
     force when it is called: the hooks here are in force for that call alone (inside the region its own hooks
     take over), so only the layer inputs move, not the parameters or anything a layer recomputes. The copies are
-    asynchronous, ordered on the stream that computes: the memory a copy reads is reused only after it."""
+    asynchronous, ordered on the stream that computes: the memory a copy reads is reused only after it.
+
+    transformers 5.23's `activation_checkpointing_enable(offload=True)` is this design through torch's
+    `save_on_cpu`, and on a machine without a GPU it asks for pinned memory and fails; this one copies there
+    instead, so that the path the tests prove on CPU is the one GPUs run."""
     layers = 0
     for module in model.modules():
         checkpoint = getattr(module, "_gradient_checkpointing_func", None)

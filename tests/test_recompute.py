@@ -38,7 +38,7 @@ class CountMatmuls(TorchDispatchMode):
 def gradients_and_backward_matmuls(model: torch.nn.Module, policy: str) -> tuple[list[torch.Tensor], int]:
     model = copy.deepcopy(model)
     if policy != "none":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(policy))
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs(policy))
     model.train()
     torch.manual_seed(7)  # the dropout masks of the forward
     loss = batch_loss(model, packed_batch(), "full_logits").total
@@ -87,7 +87,7 @@ def test_offloaded_layer_inputs_give_the_gradients_of_kept_ones(policy, monkeypa
     model = transformers.AutoModelForCausalLM.from_config(MODELS["llama"])
     reference, _ = gradients_and_backward_matmuls(model, policy)
     offloaded = copy.deepcopy(model)
-    offloaded.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(policy))
+    offloaded.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs(policy))
     assert offload_layer_inputs(offloaded) == MODELS["llama"].num_hidden_layers
     moved = []
     to_host = recompute._to_host
@@ -122,7 +122,7 @@ def test_offloaded_layer_inputs_leave_the_gpu_and_give_the_same_gradients():
 
     def run(offload: bool) -> tuple[int, list[torch.Tensor]]:
         copy_ = copy.deepcopy(model)
-        copy_.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs("full"))
+        copy_.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs("full"))
         if offload:
             offload_layer_inputs(copy_)
         copy_.train()
