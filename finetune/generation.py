@@ -79,15 +79,13 @@ class GenerationEval:
         mask = torch.tensor(
             [[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in prompts], device=accelerator.device
         )
+        stops = _stop_tokens(model, self.tokenizer)
         output = model.generate(
             input_ids=input_ids, attention_mask=mask, max_new_tokens=self.cfg.max_new_tokens, do_sample=False,
-            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=pad, synced_gpus=accelerator.num_processes > 1,
+            eos_token_id=stops, pad_token_id=pad, synced_gpus=accelerator.num_processes > 1,
         )  # fmt: skip
         new = output[:, width:].tolist()
-        ends = [
-            row.index(self.tokenizer.eos_token_id) + 1 if self.tokenizer.eos_token_id in row else len(row)
-            for row in new
-        ]
+        ends = [next((n + 1 for n, token in enumerate(row) if token in stops), len(row)) for row in new]
         texts = [
             self.tokenizer.decode(row[:end], skip_special_tokens=True).strip()
             for row, end in zip(new, ends, strict=True)
@@ -107,6 +105,14 @@ class GenerationEval:
             f"step {step}: {self.cfg.metric.replace('_', ' ')} {round(share * count)}/{count} ({100 * share:.1f}%) "
             f"by generation, {values['completion_tokens']:.1f} tokens a completion"
         )
+
+
+def _stop_tokens(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Where a completion ends: the tokenizer's end of sequence and the model's generation config's (a chat model's
+    end-of-turn token, where the two differ)."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = configured if isinstance(configured, list) else [configured]
+    return list(dict.fromkeys(t for t in [tokenizer.eos_token_id, *configured] if t is not None))
 
 
 @contextlib.contextmanager
