@@ -215,6 +215,7 @@ class Bench:
             "model.name_or_path": self.model(size),
             "data.train_path": self.data,
             "data.eval_path": "null",
+            "eval.generate": "null",  # the demo recipe's evaluation by generation needs eval data
             "output.dir": out,
             "output.overwrite": "true",
             "output.trackers": "[]",

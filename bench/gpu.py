@@ -177,6 +177,7 @@ def measure(
         "model.name_or_path": model,
         "data.train_path": data,
         "data.eval_path": "null",
+        "eval.generate": "null",  # the demo recipe's evaluation by generation needs eval data
         "data.format": "text",
         "data.max_length": seq,
         "train.micro_batch_size": micro_batch,

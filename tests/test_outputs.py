@@ -28,6 +28,7 @@ def recipe_for(assets: Path, output_dir: Path, *overrides: str):
         f"model.name_or_path={assets / 'base'}",
         f"data.train_path={assets / 'data' / 'train.jsonl'}",
         "data.eval_path=null",
+        "eval.generate=null",  # the demo recipe's evaluation by generation needs eval data
         f"output.dir={output_dir}",
         "output.overwrite=false",
     ]
