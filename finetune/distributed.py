@@ -448,6 +448,14 @@ def main_process_first(accelerator: Accelerator, build: Callable[[], T]) -> T:
     return result
 
 
+def equal_share(total: int, world: int, rank: int) -> tuple[list[int], int]:
+    """This process's items of `total` (every `world`-th from `rank`), lengthened by repeating its last so that
+    every process runs as many forwards (a collective each, under FSDP); and how many are its own."""
+    mine = list(range(rank, total, world))
+    own = len(mine)
+    return mine + [mine[-1] if mine else 0] * (-(-total // world) - own), own
+
+
 def lost_peer(exc: BaseException) -> bool:
     """Whether `exc` is a collective failing because another process exited (after its own error)."""
     closed = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")

@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from finetune import attention
 from finetune.config import GenerateConfig
+from finetune.distributed import equal_share
 from finetune.wrap import reshard
 
 BATCH = 16
@@ -51,15 +52,11 @@ class GenerationEval:
     def evaluate(self, model: torch.nn.Module, accelerator: Accelerator) -> dict[str, float]:
         """The share of prompts whose completion scores, and the completions' mean length in tokens (a
         collective: every process calls it)."""
-        world, rank = accelerator.num_processes, accelerator.process_index
-        share = -(-len(self.prompts) // world)
-        mine = list(range(rank, len(self.prompts), world))
-        real = len(mine)
-        mine += [mine[-1] if mine else 0] * (share - real)  # equal forwards on every process
+        mine, real = equal_share(len(self.prompts), accelerator.num_processes, accelerator.process_index)
         scored = torch.zeros(3, dtype=torch.float64)  # correct, completion tokens, prompts scored
         model.eval()
         with _generating(model):
-            for start in range(0, share, BATCH):
+            for start in range(0, len(mine), BATCH):
                 batch = mine[start : start + BATCH]
                 completions, lengths = self._complete(model, [self.prompts[i] for i in batch], accelerator)
                 for n, (i, completion, length) in enumerate(zip(batch, completions, lengths, strict=True)):

@@ -14,7 +14,6 @@ by then the weights have trained, so they can never be recomputed there.
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from accelerate import Accelerator
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from finetune.distributed import equal_share
 from finetune.errors import FinetuneError
 from finetune.loss import LossPath, sequence_logps
 from finetune.sequence import data_parallel_rank, data_parallel_size, sequence_parallel
@@ -82,11 +82,9 @@ def compute_reference(
     model.eval()
     began = time.perf_counter()
     for split in splits:
-        mine = list(range(rank, len(split), world))
-        per_process = math.ceil(len(split) / world)
-        mine += [mine[-1] if mine else 0] * (per_process - len(mine))  # equal forwards on every process
+        mine, _ = equal_share(len(split), world, rank)  # a repeated pair is written twice, with one value
         values, owners = [], []
-        for start in range(0, per_process, micro_batch_size):
+        for start in range(0, len(mine), micro_batch_size):
             rows = split.select(mine[start : start + micro_batch_size]).to_list()
             batch = {key: value.to(accelerator.device) for key, value in collate(rows).items()}
             logps = sequence_logps(model, batch, loss_path)
