@@ -27,8 +27,9 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b train-70b train-qwen-7b train-mistral-7b \
 	train-8b-lora train-qwen-7b-lora train-70b-qlora train-qwen3-8b train-qwen3-8b-128k train-qwen3-30b-a3b train-qwen3-30b-a3b-64k \
 	train-qwen3-30b-a3b-lora \
-	train-gpt-oss-20b-lora train-mixtral-lora train-qwen-7b-tools train-8b-dpo train-qwen-7b-dpo
-.PHONY: help setup test-fast demo demo-lora demo-dpo train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu \
+	train-gpt-oss-20b-lora train-mixtral-lora train-qwen-7b-tools train-8b-dpo train-qwen-7b-dpo \
+	train-qwen3-8b-grpo train-qwen3-8b-grpo-lora
+.PHONY: help setup test-fast demo demo-lora demo-dpo demo-grpo train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu \
 	gpu-wheels gpu-check test test-gpu lint format clean
 
 help: ## list the targets
@@ -73,6 +74,18 @@ demo-dpo: $(STAMP) ## the demo's second stage: DPO of the SFT model on correct-v
 	@test -f $(DEMO_DIR)/run/final/config.json || $(MAKE) --no-print-directory train-tiny
 	$(MAKE) --no-print-directory train-tiny ARGS="output.dir=$(DEMO_DIR)/run-dpo $(DEMO_DPO) $(ARGS)"
 	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run-dpo --before $(DEMO_DIR)/run/final
+
+# Online RL on the demo: a partly trained SFT model (40 steps, made first if missing: about 40% exact match) trained
+# by GRPO with the exact-reversal reward (recipes/demo/tiny_llama_grpo.yaml), then the report before and after.
+DEMO_GRPO := model.name_or_path=$(DEMO_DIR)/run-partial/final data.train_path=$(DEMO_DIR)/data/prompts_train.jsonl \
+	data.eval_path=$(DEMO_DIR)/data/prompts_eval.jsonl output.dir=$(DEMO_DIR)/run-grpo
+demo-grpo: $(STAMP) ## online RL on the demo: GRPO of a partly trained reverser, rewarded for exact reversals; report
+	$(OFFLINE) $(PY) -m finetune demo build --dir $(DEMO_DIR)
+	@test -f $(DEMO_DIR)/run-partial/final/config.json || $(MAKE) --no-print-directory train-tiny \
+		ARGS="output.dir=$(DEMO_DIR)/run-partial train.max_steps=40 train.eval_every_steps=40"
+	$(MAKE) --no-print-directory train-tiny DEMO_RECIPE=recipes/demo/tiny_llama_grpo.yaml ARGS="$(DEMO_GRPO) $(ARGS)"
+	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run-grpo \
+		--before $(DEMO_DIR)/run-partial/final
 
 # The demo model is tiny, so it trains in fp32 on any hardware (--mixed_precision no).
 train-tiny: $(STAMP) ## train the demo recipe (after `finetune demo build`)
@@ -123,6 +136,16 @@ train-qwen3-8b-128k: RECIPE = recipes/qwen/qwen3-8b-reasoning-128k.yaml
 train-qwen3-8b-128k: WRAP = Qwen3DecoderLayer
 train-qwen3-8b-128k: CONFIG = accelerate_configs/sequence_parallel.yaml
 train-qwen3-8b-128k: NUM_PROCESSES = 8
+train-qwen3-8b-grpo: ## Qwen3-8B, online RL (GRPO) on DeepMath-103K, exact boxed answers rewarded, 8 GPUs
+train-qwen3-8b-grpo: RECIPE = recipes/qwen/qwen3-8b-grpo-math.yaml
+train-qwen3-8b-grpo: WRAP = Qwen3DecoderLayer
+train-qwen3-8b-grpo: CONFIG = accelerate_configs/single_node.yaml
+train-qwen3-8b-grpo: NUM_PROCESSES = 8
+train-qwen3-8b-grpo-lora: ## Qwen3-8B LoRA, online RL (GRPO) on DeepMath-103K, 1 GPU, no FSDP
+train-qwen3-8b-grpo-lora: RECIPE = recipes/qwen/qwen3-8b-grpo-math-lora.yaml
+train-qwen3-8b-grpo-lora: WRAP = Qwen3DecoderLayer
+train-qwen3-8b-grpo-lora: CONFIG = accelerate_configs/single_gpu.yaml
+train-qwen3-8b-grpo-lora: NUM_PROCESSES = 1
 train-qwen3-30b-a3b: ## Qwen3-30B-A3B (MoE, 128 experts, 8 per token), full, UltraChat, 8 GPUs, single-node preset
 train-qwen3-30b-a3b: RECIPE = recipes/qwen/qwen3-30b-a3b.yaml
 train-qwen3-30b-a3b: WRAP = Qwen3MoeDecoderLayer

@@ -153,7 +153,7 @@ def build_run(recipe: RecipeConfig, resume_from: Path | None) -> Run:
     )
     loss_path, loss_line = choose_loss_path(recipe.train.loss_path, accelerator.unwrap_model(model))
     objective, routing_line, write_objective_files = setup_objective(
-        BuildContext(recipe, accelerator, model, data, loss_path, weights, resume_from), builder
+        BuildContext(recipe, accelerator, model, data, loss_path, weights, resume_from, tokenizer), builder
     )
     start = restore(recipe, accelerator, scheduler, load_state, resume_from)
     return Run(

@@ -566,6 +566,131 @@ class PreferenceConfig:
         return errors
 
 
+BUILTIN_REWARDS = ("exact_match", "regex")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """One reward of online RL (`finetune.rewards`): a built-in by name, or a function of your own."""
+
+    function: str
+    """`exact_match` (the completion, or what `pattern` extracts from it, equals the `column`'s value; both
+    stripped), `regex` (1.0 when the completion matches `pattern` whole, else 0.0), or `module:function`, called
+    as TRL calls a reward function: `prompts=`, `completions=`, `completion_ids=` and every other column of the
+    data as keyword arguments, returning a float (or None: not scored) per completion."""
+
+    weight: float = 1.0
+    """The reward's weight in the sum that is normalized into advantages."""
+
+    column: str = "answer"
+    """exact_match: the column holding each prompt's reference answer."""
+
+    pattern: str | None = None
+    """regex: the regular expression a completion must match whole (`re.fullmatch`, `.` matching newlines);
+    exact_match: extracts the answer to compare (its last match's first group, e.g. `#### (\\S+)` for
+    GSM8K's answers)."""
+
+    label: str | None = None
+    """Its name in the metrics (rewards/<label>/mean); unset: the function's name."""
+
+    @property
+    def name(self) -> str:
+        return self.label or self.function.rpartition(":")[2]
+
+    def errors(self) -> list[str]:
+        errors = []
+        if self.function not in BUILTIN_REWARDS and not re.fullmatch(r"[\w.]+:[\w.]+", self.function):
+            errors.append(
+                f"rl.rewards: function={self.function} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor "
+                "module:function (e.g. my_rewards:correct)"
+            )
+        if self.function == "regex" and not self.pattern:
+            errors.append("rl.rewards: function=regex needs a pattern, the regular expression completions must match")
+        if self.pattern is not None:
+            try:
+                re.compile(self.pattern)
+            except re.error as exc:
+                errors.append(f"rl.rewards: pattern {self.pattern!r} is not a regular expression ({exc}); fix it")
+        return errors
+
+
+@dataclass(kw_only=True)
+class RLConfig:
+    """Online reinforcement learning with verifiable rewards (GRPO and its variants; finetune.objectives.grpo):
+    each prompt's completions sampled by the model as it trains, scored, and reinforced by their advantage over
+    the others of their group."""
+
+    rewards: list[RewardConfig]
+    """What scores a completion: the weighted sum of these (built-ins or functions of your own)."""
+
+    num_generations: int = 8
+    """Completions sampled per prompt: a group, whose rewards are compared with each other."""
+
+    max_new_tokens: int = 256
+    """The longest completion; data.max_length must leave this much room after every prompt."""
+
+    temperature: float = 1.0
+    """Sampling temperature; the log-probabilities trained are of the logits divided by it, as sampled."""
+
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probabilities add up to this."""
+
+    loss: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
+    """How per-token losses become a step's loss, as TRL defines them: grpo (each completion's mean, averaged over
+    completions), dapo (averaged over every completion token of the step), dr_grpo (each completion's sum over
+    max_new_tokens, averaged over completions)."""
+
+    epsilon: float = 0.2
+    """The importance ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
+
+    epsilon_high: float | None = None
+    """The upper clipping bound's epsilon (DAPO's clip-higher, e.g. 0.28); unset: epsilon."""
+
+    beta: float = 0.0
+    """Weight of the KL penalty to the reference (the adapters switched off, or the initial weights); 0: none and
+    no reference computed, as DAPO and Dr. GRPO."""
+
+    num_iterations: int = 1
+    """Optimizer steps per rollout: each batch of completions is trained on this many times, importance-weighted
+    against the log-probabilities it was sampled with (PPO's epochs, GRPO's mu)."""
+
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantages are rewards minus their group's mean, divided by the group's standard deviation (group), the
+    whole step's (batch) or nothing (none, Dr. GRPO)."""
+
+    mask_truncated: bool = False
+    """Completions cut at max_new_tokens train nothing (DAPO's overlong filtering)."""
+
+    @property
+    def upper_epsilon(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def errors(self) -> list[str]:
+        errors = []
+        if self.num_generations < 2:
+            errors.append(
+                f"rl.num_generations must be >= 2, got {self.num_generations}: advantages compare each completion "
+                "with the others sampled for its prompt"
+            )
+        for name in ("max_new_tokens", "num_iterations"):
+            if getattr(self, name) < 1:
+                errors.append(f"rl.{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature <= 0:
+            errors.append(
+                f"rl.temperature must be > 0, got {self.temperature} (it samples; greedy is eval.generate's)"
+            )
+        if not 0 < self.top_p <= 1:
+            errors.append(f"rl.top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.epsilon < 1 or self.upper_epsilon < 0:
+            errors.append(f"rl.epsilon must be in [0, 1) and rl.epsilon_high >= 0, got {self.epsilon}, "
+                          f"{self.epsilon_high}")  # fmt: skip
+        if self.beta < 0:
+            errors.append(f"rl.beta must be >= 0, got {self.beta}")
+        if not self.rewards:
+            errors.append("rl.rewards is empty; name at least one, e.g. [{function: exact_match, column: answer}]")
+        return errors
+
+
 @dataclass(kw_only=True)
 class RecipeConfig:
     model: ModelConfig
@@ -577,6 +702,7 @@ class RecipeConfig:
     peft: PeftConfig | None = None
     preference: PreferenceConfig | None = None
     eval: EvalConfig = field(default_factory=EvalConfig)
+    rl: RLConfig | None = None
 
     def cross_field_errors(self) -> list[str]:
         """Problems that involve more than one section, each with its fix (each section checks its own fields)."""
@@ -620,6 +746,39 @@ class RecipeConfig:
             errors.append(
                 f"data.multi_turn={self.data.multi_turn} applies to supervised chat data; a preference run compares "
                 "each side's completion (every reply after the prompt both sides share), so remove it"
+            )
+        return errors + self._rl_errors()
+
+    def _rl_errors(self) -> list[str]:
+        """An rl section's settings against the rest of the recipe."""
+        rl = self.rl
+        if rl is None:
+            return []
+        errors = []
+        if self.preference is not None or self.train.objective is not None:
+            errors.append(
+                "an rl section trains by its own objective; remove the preference section or train.objective"
+            )
+        if self.data.format != "auto":
+            errors.append(f"an rl section samples completions to prompts (a `prompt` column), not data.format="
+                          f"{self.data.format}; set data.format=auto")  # fmt: skip
+        if self.data.packing:
+            errors.append("an rl section trains on the completions it samples, in padded rows; set data.packing=false")
+        if self.data.max_length <= rl.max_new_tokens:
+            errors.append(
+                f"data.max_length={self.data.max_length} (prompt plus completion) leaves no room for prompts after "
+                f"rl.max_new_tokens={rl.max_new_tokens}; raise data.max_length or lower rl.max_new_tokens"
+            )
+        every, save_every = rl.num_iterations, self.checkpoint.save_every_steps
+        if every > 1 and save_every % every:
+            errors.append(
+                f"checkpoint.save_every_steps={save_every} must be a multiple of rl.num_iterations={every}: a "
+                "checkpoint is taken between rollouts, where the run resumes exactly"
+            )
+        if every > 1 and self.train.max_steps is not None and self.train.max_steps % every:
+            errors.append(
+                f"train.max_steps={self.train.max_steps} must be a multiple of rl.num_iterations={every}, so that the "
+                "last rollout is trained on as often as the others"
             )
         return errors
 

@@ -47,9 +47,11 @@ def build(workdir: str) -> None:
     if (root / "base" / "config.json").exists():
         print(f"demo: reusing {root}/base and {root}/data")
         _write_pairs(root / "data")  # a build from before the preference data had none
+        _write_prompts(root / "data")  # or the prompts of online RL
         return
     splits = _write_data(root / "data")
     _write_pairs(root / "data")
+    _write_prompts(root / "data")
     tokenizer = _train_tokenizer(splits["train"])
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -118,6 +120,20 @@ def _write_pairs(data_dir: Path) -> None:
         target.write_text("".join(lines))
 
 
+def _write_prompts(data_dir: Path) -> None:
+    """Prompts for `make demo-grpo` (prompts_train.jsonl, prompts_eval.jsonl), TRL's prompt-only layout: each list's
+    request as the prompt, its reversal as the `answer` the exact-match reward compares with."""
+    for name in ("train", "eval"):
+        target = data_dir / f"prompts_{name}.jsonl"
+        if target.exists():
+            continue
+        lines = []
+        for line in (data_dir / f"{name}.jsonl").read_text().splitlines():
+            user, reply = json.loads(line)["messages"]
+            lines.append(json.dumps({"prompt": [user], "answer": reply["content"]}) + "\n")
+        target.write_text("".join(lines))
+
+
 def _train_tokenizer(examples: list[dict]) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -158,11 +174,12 @@ def report(workdir: str, output_dir: str = "outputs/demo/run", before: str | Non
     tokenizer = AutoTokenizer.from_pretrained(tuned_dir)
     pairs_file = root / "data" / "pairs_eval.jsonl"
     saved = Path(output_dir) / "recipe.yaml"  # the run's resolved recipe: was it preference tuning?
-    preference = saved.is_file() and (yaml.safe_load(saved.read_text()) or {}).get("preference") is not None
+    settings = (yaml.safe_load(saved.read_text()) or {}) if saved.is_file() else {}
+    preference, online = settings.get("preference") is not None, settings.get("rl") is not None
     pairs = [json.loads(line) for line in pairs_file.read_text().splitlines()] if preference else []
     first = "before (supervised)" if before else "base (random init)"
     rows, logps = [], []
-    second = "after (preference)" if pairs else "fine-tuned (exported)"
+    second = "after (preference)" if pairs else "after (online RL)" if online else "fine-tuned (exported)"
     for label, folder in ((first, base_dir), (second, tuned_dir)):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         loss = _answer_loss(model, tokenizer, examples)

@@ -13,17 +13,33 @@ prompt repeats where they do not divide, and is scored once); the scores are sum
 reports the same numbers on any process count. Generation attends through SDPA with the padding mask (prompts are
 left-padded), whatever the training attention: the varlen path knows whole packed rows, not a growing cache; under
 sequence parallelism each process generates on whole rows of its own.
+
+`complete` is the engine, for evaluation and for online RL's rollouts (`finetune.objectives.grpo`): token ids in,
+completion ids out, greedy or sampled with seeded noise. It is the seam where a colocated inference engine
+(vLLM) would take transformers' place on GPUs: it would need the trained weights pushed to it after every update
+(one gathered copy of them, by layer), the same stop tokens and sampling settings, and the uniform noise per
+row below (or log-probabilities returned with its samples, for the importance ratio).
+
+Seeded sampling: each row brings its own uniform numbers, one per new token, drawn from a generator seeded by
+what the row is (the run's seed, the rollout, the prompt's index in the data, the completion's number), never by
+which process draws it or what else is in its batch. A token is the first whose cumulative probability (after
+temperature and top-p) reaches the row's number for that position: inverse-transform sampling, the same
+completions on any process count and on resume.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy
 import torch
 from accelerate import Accelerator
-from transformers import PreTrainedTokenizerBase
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase
+from transformers.generation.logits_process import TopPLogitsWarper
 
 from finetune import attention
 from finetune.config import GenerateConfig
@@ -55,7 +71,7 @@ class GenerationEval:
         mine, real = equal_share(len(self.prompts), accelerator.num_processes, accelerator.process_index)
         scored = torch.zeros(3, dtype=torch.float64)  # correct, completion tokens, prompts scored
         model.eval()
-        with _generating(model):
+        with generating(model):
             for start in range(0, len(mine), BATCH):
                 batch = mine[start : start + BATCH]
                 completions, lengths = self._complete(model, [self.prompts[i] for i in batch], accelerator)
@@ -70,24 +86,9 @@ class GenerationEval:
     def _complete(
         self, model: torch.nn.Module, prompts: list[Prompt], accelerator: Accelerator
     ) -> tuple[list[str], list[int]]:
-        width = max(len(p.ids) for p in prompts)
-        pad = self.tokenizer.pad_token_id
-        input_ids = torch.tensor([[pad] * (width - len(p.ids)) + p.ids for p in prompts], device=accelerator.device)
-        mask = torch.tensor(
-            [[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in prompts], device=accelerator.device
-        )
-        stops = _stop_tokens(model, self.tokenizer)
-        output = model.generate(
-            input_ids=input_ids, attention_mask=mask, max_new_tokens=self.cfg.max_new_tokens, do_sample=False,
-            eos_token_id=stops, pad_token_id=pad, synced_gpus=accelerator.num_processes > 1,
-        )  # fmt: skip
-        new = output[:, width:].tolist()
-        ends = [next((n + 1 for n, token in enumerate(row) if token in stops), len(row)) for row in new]
-        texts = [
-            self.tokenizer.decode(row[:end], skip_special_tokens=True).strip()
-            for row, end in zip(new, ends, strict=True)
-        ]
-        return texts, ends
+        completions = complete(model, [p.ids for p in prompts], self.tokenizer, accelerator, self.cfg.max_new_tokens)
+        texts = [self.tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in completions]
+        return texts, [len(ids) for ids in completions]
 
     def _score(self, completion: str, reference: str) -> float:
         if self.cfg.metric == "contains":
@@ -107,23 +108,138 @@ class GenerationEval:
 def _stop_tokens(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Where a completion ends: the tokenizer's end of sequence and the model's generation config's (a chat model's
     end-of-turn token, where the two differ)."""
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    configured = getattr(getattr(inner, "generation_config", None), "eos_token_id", None)
     configured = configured if isinstance(configured, list) else [configured]
     return list(dict.fromkeys(t for t in [tokenizer.eos_token_id, *configured] if t is not None))
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How a completion's tokens are drawn (online RL); None where `complete` is asked for greedy decoding."""
+
+    temperature: float
+    top_p: float
+    noise: torch.Tensor
+    """(rows, max_new_tokens) uniform numbers in [0, 1), one per row and new token (`row_noise`)."""
+
+
+def row_noise(seeds: Sequence[Sequence[int]], length: int) -> torch.Tensor:
+    """Each row's uniform numbers, from a generator seeded by the row's identity (a few integers)."""
+    return torch.from_numpy(numpy.stack([numpy.random.default_rng(list(seed)).random(length) for seed in seeds]))
+
+
+class _InverseTransform(LogitsProcessor):
+    """Sampling as a logits processor: each row's next token chosen from its own noise (see the module's
+    docstring), every other token masked, so that transformers' greedy step picks it."""
+
+    def __init__(self, sampling: Sampling, prompt_width: int):
+        self.sampling, self.prompt_width = sampling, prompt_width
+        self.top_p = TopPLogitsWarper(sampling.top_p) if sampling.top_p < 1 else None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = scores.float() / self.sampling.temperature
+        if self.top_p is not None:
+            scores = self.top_p(input_ids, scores)
+        cumulative = torch.softmax(scores, dim=-1).cumsum(dim=-1)
+        position = input_ids.shape[1] - self.prompt_width
+        drawn = self.sampling.noise[:, position : position + 1].to(scores.device, torch.float32)
+        # Scaled by the total, which rounding leaves a hair from 1; clamped for the same reason.
+        token = torch.searchsorted(cumulative, drawn * cumulative[:, -1:]).clamp(max=scores.shape[-1] - 1)
+        return torch.full_like(scores, -torch.inf).scatter_(1, token, 0.0)
+
+
+def complete(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    tokenizer: PreTrainedTokenizerBase,
+    accelerator: Accelerator,
+    max_new_tokens: int,
+    sampling: Sampling | None = None,
+) -> list[list[int]]:
+    """Each prompt's completion token ids, up to and including the token that ended it (or `max_new_tokens` of
+    them), greedy or sampled. Every process calls it together (lock-step decoding), inside `generating(model)`."""
+    width = max(len(ids) for ids in prompts)
+    pad = tokenizer.pad_token_id
+    device = accelerator.device
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=device)
+    stops = _stop_tokens(model, tokenizer)
+    # Settings of our own, not the model's generation config (a chat model's sampling defaults, a repetition
+    # penalty): online RL trains the log-probabilities of the distribution it sampled from.
+    settings = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops, pad_token_id=pad, use_cache=True
+    )
+    processors = LogitsProcessorList([_InverseTransform(sampling, width)] if sampling is not None else [])
+    # DDP's wrapper has no `generate`; its module computes alike without gradients (nothing to synchronize).
+    generator = model.module if isinstance(model, DistributedDataParallel) else model
+    output = generator.generate(
+        input_ids=input_ids, attention_mask=mask, generation_config=settings, logits_processor=processors,
+        synced_gpus=accelerator.num_processes > 1,
+    )  # fmt: skip
+    completions = []
+    for row in output[:, width:].tolist():
+        end = next((n + 1 for n, token in enumerate(row) if token in stops), len(row))
+        completions.append(row[:end])
+    return completions
+
+
+def ended(completion: list[int], tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module) -> bool:
+    """Whether a completion ended at a stop token (else it was cut at max_new_tokens)."""
+    return bool(completion) and completion[-1] in _stop_tokens(model, tokenizer)
+
+
 @contextlib.contextmanager
-def _generating(model: torch.nn.Module) -> Iterator[None]:
-    """The model as generation needs it: SDPA with the padding mask, rows whole on every process; then back."""
+def generating(model: torch.nn.Module, gather_once: bool = False) -> Iterator[None]:
+    """The model as generation needs it: SDPA with the padding mask, rows whole on every process; with
+    `gather_once`, every FSDP unit's parameters gathered by the first decoding step and kept until the end (one
+    all-gather per unit instead of one per unit and token). Then back as it was, parameters resharded."""
     inner = getattr(model, "module", model)
     implementation = inner.config._attn_implementation
     split = attention.current_sequence_group()
     attention.split_rows_over(None)
     if implementation == attention.NAME:
         inner.set_attn_implementation("sdpa")
+    kept = _keep_gathered(model) if gather_once else None
+    _gather_root(model)
     try:
         yield
     finally:
+        if kept is not None:
+            _restore_resharding(kept)
+        reshard(model)
         if implementation == attention.NAME:
             inner.set_attn_implementation(implementation)
         attention.split_rows_over(split)
+
+
+def _gather_root(model: torch.nn.Module) -> None:
+    """The root FSDP unit's own parameters (embeddings, final norm, head) gathered for the whole generation: an
+    adapter model's `generate` runs its base model's forward, below the root, whose hooks would gather them. The
+    root is initialized first, as its forward would be (the first unit to run is taken for the root)."""
+    if isinstance(model, FSDPModule):
+        model._get_fsdp_state()._lazy_init()
+        model.unshard()
+
+
+def _keep_gathered(model: torch.nn.Module) -> list[tuple[object, object, bool]]:
+    """Every FSDP unit set to keep its parameters gathered after its forward; what it was set to, to restore.
+    torch has a setter for this (`set_reshard_after_forward`) and no getter: the setting is read where the
+    setter writes it."""
+    was = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            was += [(group, group.post_forward_mesh_info, state) for group in state._fsdp_param_groups]
+            auto = state._auto_reshard_after_forward
+            module.set_reshard_after_forward(False, recurse=False)
+            state._auto_reshard_after_forward = auto
+    return was
+
+
+def _restore_resharding(was: list[tuple[object, object, object]]) -> None:
+    for group, mesh_info, state in was:
+        # The root unit never reshards after forward unless told to (set at its lazy initialization, which may
+        # have happened during this generation, after `was` was read).
+        root = state._is_root and state._auto_reshard_after_forward
+        group.post_forward_mesh_info = None if root else mesh_info

@@ -307,6 +307,12 @@ def recipe_launch_problems(
             "adapters (peft) do not support rank-0 loading yet; set fsdp_cpu_ram_efficient_loading: false in the "
             "accelerate config"
         )
+    if recipe.rl is not None and fsdp_version == 1:
+        # FSDP1 gathers the root's parameters in its wrapper's forward, which transformers' generate goes around.
+        problems.append(
+            "online RL (rl) generates under FSDP2, DDP or one process, not FSDP1; launch with "
+            "accelerate_configs/fsdp2_full_shard.yaml (or another FSDP2 config)"
+        )
     sharded = fsdp_version == 2 and state_dict_type.upper() == "SHARDED_STATE_DICT"
     if recipe.checkpoint.async_save and (not sharded or recipe.peft is not None):
         problems.append(ASYNC_SAVE_NEEDS)
@@ -329,6 +335,11 @@ def sequence_recipe_problems(recipe: RecipeConfig, size: int) -> list[str]:
         problems.append(
             f"sequence parallelism hands an objective slices of rows, and train.objective={recipe.train.objective} "
             "is not known to take them; launch without parallelism_config_sp_size"
+        )
+    if recipe.rl is not None:
+        problems.append(
+            f"online RL (rl) samples whole completions on each process, and sequence parallelism (sp_size={size}) "
+            "splits rows; launch without parallelism_config_sp_size"
         )
     return problems
 

@@ -70,12 +70,17 @@ def run_steps(run: Run, metrics: MetricsLogger) -> tuple[str, int]:
     profiler = StepProfiler(recipe.train.profile_steps, run.max_steps, run.output_dir / "profile",
                             accelerator.process_index, accelerator.device)  # fmt: skip
     metrics.advance(run.start.step)
+    # Online RL trains each window (a rollout) for several steps; checkpoints fall between windows.
+    reuse = run.objective.steps_per_window
+    stopping = False
     with PreemptionSignals(enabled=recipe.checkpoint.save_every_steps > 0) as preemption:
         for step in range(run.start.step + 1, run.max_steps + 1):
             profiler.begin(step)  # data loading, the step and its logging; evaluation and saves are not
-            epoch, rows_into_epoch, micro_batches = next(windows)
-            for i, batch in enumerate(micro_batches):
-                data_fingerprint += batch["input_ids"].long().sum() * (step * accumulation + i)
+            if (step - 1) % reuse == 0:
+                epoch, rows_into_epoch, loaded = next(windows)
+                for i, batch in enumerate(loaded):
+                    data_fingerprint += batch["input_ids"].long().sum() * (step * accumulation + i)
+            micro_batches = run.objective.rollout(run.model, loaded, step, accelerator)
             lr = run.scheduler.get_last_lr()[0]  # the rate this step's update uses
             result = train_step(
                 run.model, run.optimizer, micro_batches, accelerator, recipe.optim.max_grad_norm, step, probe,
@@ -95,7 +100,9 @@ def run_steps(run: Run, metrics: MetricsLogger) -> tuple[str, int]:
             if (profiled := profiler.end(step)) is not None:
                 accelerator.print(profiled)
             _evaluate_if_due(run, metrics, step)
-            stop = result.stop_requested  # a signal during this step's update or evaluation stops at the next
+            # A signal during this step's update or evaluation stops at the end of its window.
+            stopping = stopping or result.stop_requested
+            stop = stopping and step % reuse == 0
             saver.save_if_due(step, epoch, rows_into_epoch, stop)
             if stop and not last_step:
                 saver.finish()

@@ -277,32 +277,40 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def sequence_logps(model: torch.nn.Module, batch: Batch, path: LossPath) -> torch.Tensor:
     """The log-probability of each sequence's target tokens, summed: shape (sequences,), differentiable when
     gradients are enabled. A batch's rows hold the sequences (packed or padded); `sequence_ids` names the
-    sequence of every position with a target (-1 elsewhere), `sequence_targets` counts each one's targets.
+    sequence of every position with a target (-1 elsewhere), `sequence_targets` counts each one's targets."""
+    per_token = token_logps(model, batch, path)
+    sequences = batch["sequence_targets"].shape[0]
+    zeros = torch.zeros(sequences, dtype=torch.float32, device=per_token.device)
+    return zeros.index_add(0, batch["sequence_ids"].reshape(-1).index_select(0, target_positions(batch)), per_token)
+
+
+def token_logps(model: torch.nn.Module, batch: Batch, path: LossPath, temperature: float = 1.0) -> torch.Tensor:
+    """The log-probability of every target token, in fp32, in the order of the positions with a target (rows
+    flattened): log softmax(logits / temperature)[target]. Differentiable when gradients are enabled.
     The chunked path never holds the logits whole, as `batch_loss`; as the gradient of each token's
-    log-probability is weighted by its sequence's (a preference loss is not a sum of token losses), its
-    backward recomputes a chunk's logits instead of keeping gradients from the forward."""
+    log-probability is weighted by what it feeds (a preference or policy loss is not a sum of token losses),
+    its backward recomputes a chunk's logits instead of keeping gradients from the forward."""
     inputs = model_inputs(model, batch)
     targets = batch["target_ids"]
     kept = target_positions(batch)
     if path == "full_logits":
         logits = model(**inputs, use_cache=False).logits
         per_position = -F.cross_entropy(
-            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none"
+            logits.float().flatten(0, 1) / temperature, targets.flatten(), ignore_index=IGNORE, reduction="none"
         )
-        per_token = per_position.index_select(0, kept)
-    else:
-        head = output_head(model)
-        kept_targets = targets.reshape(-1).index_select(0, kept)
+        return per_position.index_select(0, kept)
+    head = output_head(model)
+    kept_targets = targets.reshape(-1).index_select(0, kept)
 
-        def forward(hidden: torch.Tensor) -> torch.Tensor:
-            hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, kept)
-            return _LinearLogProbs.apply(hidden, head.weight, head.bias, kept_targets)
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, kept)
+        bias = head.bias
+        if temperature != 1.0:  # (h W + b) / T, without a logits-sized tensor
+            hidden, bias = hidden / temperature, bias / temperature if bias is not None else None
+        return _LinearLogProbs.apply(hidden, head.weight, bias, kept_targets)
 
-        with _head_forward(head, forward):
-            per_token = model(**inputs, use_cache=False, logits_to_keep=0).logits.reshape(-1)
-    sequences = batch["sequence_targets"].shape[0]
-    zeros = torch.zeros(sequences, dtype=torch.float32, device=per_token.device)
-    return zeros.index_add(0, batch["sequence_ids"].reshape(-1).index_select(0, kept), per_token.float())
+    with _head_forward(head, forward):
+        return model(**inputs, use_cache=False, logits_to_keep=0).logits.reshape(-1).float()
 
 
 class _LinearLogProbs(torch.autograd.Function):

@@ -100,6 +100,9 @@ class Estimate:
     """QLoRA only: the whole 4-bit base (and adapters) on each device before sharding; else 0."""
     host_offloaded: int = 0
     """train.activation_offload: the layer inputs every process of a machine keeps in its host memory."""
+    generation: Generation | None = None
+    """Online RL: the rollout phase, when gradients are freed and the KV cache and gathered parameters take
+    their place."""
 
     def device_total(self, checkpointing: Policy) -> int:
         """Bytes while training under an activation-checkpointing policy."""
@@ -109,8 +112,35 @@ class Estimate:
         return self.parameters + self.gradients + self.optimizer_state + self.gather_buffers + activations
 
     def device_peak(self, checkpointing: Policy) -> int:
-        """The most a device holds: while training, or while loading a QLoRA base."""
-        return max(self.device_total(checkpointing), self.device_at_load)
+        """The most a device holds: while training, while loading a QLoRA base, or while generating (online RL)."""
+        generating = self.generation.total(self) if self.generation is not None else 0
+        return max(self.device_total(checkpointing), self.device_at_load, generating)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Bytes per device of online RL's rollout phase (`finetune.objectives.grpo`)."""
+
+    kv_cache: int
+    """Keys and values of every layer for a step's completions on the device, prompt and completion at full
+    length."""
+    whole: int
+    """The whole model gathered, which the run keeps from the first decoding step to the last where it takes at
+    most half the device's free memory."""
+    per_layer: int
+    """Else one layer gathered at a time (two in flight), at every decoding step: the least a rollout needs."""
+    logits: int
+    """One decoding step's fp32 logits and their softmax, for every row."""
+
+    def total(self, training: Estimate) -> int:
+        """The least a rollout holds (parameters gathered per layer): sharded parameters and optimizer state stay;
+        gradients are freed (set to None after each step)."""
+        return training.parameters + training.optimizer_state + self.per_layer + self.kv_cache + self.logits
+
+    def gathers_once(self, training: Estimate, gpu_memory: int) -> bool:
+        """What the run chooses (`finetune.objectives.grpo`): once where the whole model fits in half of what the
+        sharded state leaves free."""
+        return self.whole <= (gpu_memory - training.parameters - training.optimizer_state) / 2
 
 
 def planned_model(recipe: RecipeConfig) -> PreTrainedModel:
@@ -237,6 +267,8 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     parameters = (frozen_bytes + trainable_bytes) // shards
     if recipe.preference is not None and recipe.preference.reference == "model":
         parameters += shape.parameters * param_bytes // shards  # the frozen reference, sharded as the policy
+    if recipe.rl is not None and recipe.rl.beta and recipe.peft is None:
+        parameters += shape.parameters * param_bytes // shards  # the initial weights, the KL penalty's reference
     gradients, optimizer = trainable_bytes // shards, 2 * trainable_bytes // shards
     # What an all-gather moves per parameter: QLoRA gathers the packed 4-bit weights as they are stored.
     gathered_bytes = _NF4_BYTES if nf4 else compute_bytes
@@ -271,10 +303,25 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
         parameters = gradients = optimizer = 0
     # `finetune export` holds about one 5 GB output shard plus a tenth of it being converted.
     host_export = min(full_model, 5 * 10**9) * 12 // 10
-    return Estimate(
+    training = Estimate(
         strategy, parameters, gradients, optimizer, gather, activations, checkpointed, selective, host_load,
         host_export, device_load, offloaded * processes_per_host,
     )  # fmt: skip
+    if recipe.rl is None:
+        return training
+    whole = shape.parameters * compute_bytes if strategy != "ddp" else gather  # unsharded: nothing to gather
+    return replace(training, generation=generation_bytes(shape, recipe, compute_bytes, whole, gather))
+
+
+def generation_bytes(
+    shape: ModelShape, recipe: RecipeConfig, compute_bytes: int, whole: int, per_layer: int
+) -> Generation:
+    """Online RL's rollout on one device: a step's completions (micro-batches x accumulation x generations) decoded
+    together, with a KV cache of `data.max_length` tokens each."""
+    rl = recipe.rl
+    rows = recipe.train.micro_batch_size * recipe.train.gradient_accumulation_steps * rl.num_generations
+    kv_cache = rows * recipe.data.max_length * shape.layers * 2 * shape.kv_hidden * compute_bytes
+    return Generation(kv_cache, whole, per_layer, rows * shape.vocab * 4 * 2)
 
 
 def exchange_bytes(shape: ModelShape, tokens: int, compute_bytes: int, sequence_parallel: int) -> int:
@@ -289,15 +336,24 @@ def exchange_bytes(shape: ModelShape, tokens: int, compute_bytes: int, sequence_
 
 
 def _micro_batch(recipe: RecipeConfig) -> str:
+    if recipe.rl is not None:
+        return f"{recipe.train.micro_batch_size} prompts ({_sequences(recipe)} completions)"
     if recipe.preference is None:
         return str(recipe.train.micro_batch_size)
     return f"{recipe.train.micro_batch_size} pairs ({_sequences(recipe)} sequences)"
 
 
 def _sequences(recipe: RecipeConfig) -> int:
-    """Sequences in one forward: a micro-batch of pairs is twice its size (chosen and rejected). The reference's
-    pass (precomputed before training, or the adapters switched off) runs without gradients: no activations kept."""
+    """Sequences in one forward: a micro-batch of pairs is twice its size (chosen and rejected), of prompts
+    `num_generations` times it (their completions). The reference's pass (precomputed before training, or the
+    adapters switched off) runs without gradients: no activations kept."""
+    if recipe.rl is not None:
+        return recipe.train.micro_batch_size * recipe.rl.num_generations
     return recipe.train.micro_batch_size * (2 if recipe.preference is not None else 1)
+
+
+def _rollout_rows(recipe: RecipeConfig) -> int:
+    return recipe.train.micro_batch_size * recipe.train.gradient_accumulation_steps * recipe.rl.num_generations
 
 
 def _trainable(shape: ModelShape) -> str:
@@ -359,6 +415,21 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
             else ""
         )
     )
+    if chosen.generation is not None:
+        rollout = chosen.generation
+        once = rollout.gathers_once(chosen, gpu_memory)
+        gathered = (
+            "parameters whole on the device (no sharding)"
+            if launch.strategy == "ddp"
+            else f"the whole model gathered once per rollout, {rollout.whole / gib:.2f}"
+            if once
+            else f"parameters gathered per layer at every token, {rollout.per_layer / gib:.2f}"
+        )
+        peak = rollout.total(chosen) - rollout.per_layer + (rollout.whole if once else rollout.per_layer)
+        lines.append(
+            f"generation (rl: {_rollout_rows(recipe)} completions a step): KV cache {rollout.kv_cache / gib:.2f}, "
+            f"{gathered}, logits {rollout.logits / gib:.2f}; {peak / gib:.2f} {unit_name} per device while generating"
+        )
     if chosen.device_at_load:
         lines.append(
             f"device memory at load: {chosen.device_at_load / gib:.1f} {unit_name} (the whole 4-bit base on every "

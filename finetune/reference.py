@@ -13,6 +13,7 @@ by then the weights have trained, so they can never be recomputed there.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Callable
@@ -24,12 +25,16 @@ import torch
 from accelerate import Accelerator
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
+from finetune.config import ModelConfig
 from finetune.distributed import equal_share
 from finetune.errors import FinetuneError
 from finetune.loss import LossPath, sequence_logps
+from finetune.model import disable_dropout, load_model
+from finetune.routing import route_in_fp32
 from finetune.sequence import data_parallel_rank, data_parallel_size, sequence_parallel
-from finetune.wrap import reshard
+from finetune.wrap import reshard, shard_frozen
 
 REFERENCE_FILE = "reference_logps.safetensors"
 
@@ -116,3 +121,28 @@ def check_resumable(table: torch.Tensor | None, output_dir: Path) -> torch.Tenso
             "another base; it cannot be recomputed from trained weights: restore it, or start a new run"
         )
     return table
+
+
+def frozen_model(model: ModelConfig, name_or_path: str, accelerator: Accelerator, setting: str) -> torch.nn.Module:
+    """A second model to compare with (`setting` names what asked for it, for the log): loaded as the policy's
+    config says (its dtype and attention), frozen, without dropout, in eval mode, routing as the policy does, and
+    sharded with the policy's per-layer units, so a forward gathers one layer at a time."""
+    cfg = dataclasses.replace(model, name_or_path=name_or_path, config_file=None)
+    reference = load_model(cfg, "none")
+    reference.requires_grad_(False)
+    disable_dropout(reference)
+    route_in_fp32(reference)  # as the policy routes (a dense model has no routers)
+    reference.eval()
+    mesh = getattr(accelerator, "torch_device_mesh", None)  # hybrid sharding's 2-D mesh; None: the whole world
+    fsdp_mesh = mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None
+    shard_frozen(reference, getattr(accelerator.state, "fsdp_plugin", None), accelerator.device, fsdp_mesh)
+    accelerator.print(f"reference: {name_or_path}, frozen, sharded as the policy{_mesh_shape(reference)} ({setting})")
+    return reference
+
+
+def _mesh_shape(model: torch.nn.Module) -> str:
+    """' over a 2 x 2 mesh': the device mesh a sharded model's parameters live on, for the log ('' unsharded)."""
+    parameter = next(model.parameters())
+    if not isinstance(parameter, DTensor):
+        return ""
+    return " over a " + " x ".join(map(str, parameter.device_mesh.shape)) + " mesh"

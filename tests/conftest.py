@@ -28,6 +28,26 @@ def demo_assets(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def partly_trained(tmp_path_factory, demo_assets):
+    """The demo model after 100 steps of 16 lists on one process: it reverses some held-out lists and not others
+    (evaluation by generation, online RL)."""
+    output_dir = tmp_path_factory.mktemp("partly") / "out"
+    overrides = recipe_overrides(
+        demo_assets,
+        output_dir,
+        **{
+            "train.max_steps": 100,
+            "train.micro_batch_size": 16,
+            "train.eval_every_steps": 0,
+            "data.eval_path": "null",
+        },
+    )
+    result = launch("single_gpu.yaml", overrides, num_processes=1)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return output_dir / "final"
+
+
+@pytest.fixture(scope="session")
 def fsdp2_run(tmp_path_factory, demo_assets) -> LaunchedRun:
     """FSDP2 full shard, packed chat data, tensorboard tracker on."""
     return launched_run(

@@ -46,7 +46,13 @@ class LaunchedRun:
 
 
 def launch(
-    config: str, overrides: list[str], *, num_processes: int = 2, launch_args: tuple[str, ...] = (), env=None
+    config: str,
+    overrides: list[str],
+    *,
+    num_processes: int = 2,
+    launch_args: tuple[str, ...] = (),
+    env=None,
+    recipe: Path = DEMO_RECIPE,
 ) -> subprocess.CompletedProcess:
     """Start real processes with `accelerate launch`, exactly as a user would."""
     command = [
@@ -56,7 +62,7 @@ def launch(
         "--mixed_precision", "no",
         "--main_process_port", str(free_port()),
         *launch_args,
-        "-m", "finetune", "train", str(DEMO_RECIPE), *overrides,
+        "-m", "finetune", "train", str(recipe), *overrides,
     ]  # fmt: skip
     # Own session, so a run that outlives its timeout is killed with all its workers, not just the launcher.
     process = subprocess.Popen(

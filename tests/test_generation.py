@@ -57,18 +57,6 @@ def test_generation_needs_eval_data_and_prompts_of_its_own():
 # ---- Real runs: a partly trained demo model answers 200 held-out lists on 1 process, 2, and 2 in a sequence group.
 
 
-@pytest.fixture(scope="module")
-def partly_trained(tmp_path_factory, demo_assets):
-    """The demo model after 60 steps on one process: it reverses some held-out lists and not others."""
-    output_dir = tmp_path_factory.mktemp("partly") / "out"
-    overrides = recipe_overrides(
-        demo_assets, output_dir, **{"train.max_steps": 60, "train.eval_every_steps": 0, "data.eval_path": "null"}
-    )
-    result = launch("single_gpu.yaml", overrides, num_processes=1)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return output_dir / "final"
-
-
 def _answers(tmp_path_factory, assets, base, name: str, config: str, processes: int, *launch_args: str) -> LaunchedRun:
     output_dir = tmp_path_factory.mktemp(name) / "out"
     overrides = recipe_overrides(

@@ -40,6 +40,8 @@ MODELS = {
     "recipes/qwen/qwen2.5-7b-tools-lora.yaml": ("Qwen2DecoderLayer", 7_615_616_512),
     "recipes/llama/llama-3.1-8b-dpo.yaml": ("LlamaDecoderLayer", 8_030_261_248),
     "recipes/qwen/qwen2.5-7b-dpo-lora.yaml": ("Qwen2DecoderLayer", 7_615_616_512),
+    "recipes/qwen/qwen3-8b-grpo-math.yaml": ("Qwen3DecoderLayer", 8_190_735_360),
+    "recipes/qwen/qwen3-8b-grpo-math-lora.yaml": ("Qwen3DecoderLayer", 8_190_735_360),
 }
 
 
@@ -70,7 +72,7 @@ def make_variables(target: str) -> dict[str, str]:
 
 def test_every_model_size_has_a_recipe():
     shipped = {str(p.relative_to(REPO)) for p in (REPO / "recipes").rglob("*.yaml")}
-    assert set(MODELS) | {"recipes/demo/tiny_llama.yaml"} == shipped
+    assert set(MODELS) | {"recipes/demo/tiny_llama.yaml", "recipes/demo/tiny_llama_grpo.yaml"} == shipped
 
 
 @pytest.mark.parametrize("path", sorted(MODELS))

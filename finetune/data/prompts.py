@@ -23,7 +23,13 @@ def generation_prompts(
     reference's column instead."""
     prompts: list[Prompt] = []
     for dataset in parts:
-        form = detect_format(dataset.column_names, data.format)
+        prompt_only = "prompt" in dataset.column_names and not {"completion", "chosen"} & set(dataset.column_names)
+        form = "prompt_only" if prompt_only else detect_format(dataset.column_names, data.format)
+        if form == "prompt_only" and cfg.column is None:
+            raise FinetuneError(
+                "eval.generate: the eval data has prompts and no completion to compare with; set eval.generate.column "
+                "to the column holding the answers (e.g. answer)"
+            )
         if form == "text":
             raise FinetuneError(
                 "eval.generate answers prompts, and the eval data is plain text (no prompt or reply to tell apart); "
@@ -49,15 +55,19 @@ def _prompt(sample: dict[str, Any], form: str, tokenizer: PreTrainedTokenizerBas
         last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
         if last is None:
             raise FinetuneError("eval.generate: an eval conversation has no assistant turn to answer; fix the data")
-        return _rendered(messages[:last], tokenizer, sample.get("tools")), _text(messages[last].get("content"))
-    prompt, completion = sample["prompt"], sample["completion" if form == "prompt_completion" else "chosen"]
+        return rendered(messages[:last], tokenizer, sample.get("tools")), _text(messages[last].get("content"))
+    prompt = sample["prompt"]
+    if form == "prompt_only":  # the reference is eval.generate.column's
+        return (rendered(prompt, tokenizer, sample.get("tools")) if isinstance(prompt, list) else
+                tokenizer(prompt)["input_ids"]), ""  # fmt: skip
+    completion = sample["completion" if form == "prompt_completion" else "chosen"]
     if isinstance(prompt, list):
         reference = completion[0].get("content") if isinstance(completion, list) else completion
-        return _rendered(prompt, tokenizer, sample.get("tools")), _text(reference)
+        return rendered(prompt, tokenizer, sample.get("tools")), _text(reference)
     return tokenizer(prompt)["input_ids"], _text(completion)
 
 
-def _rendered(messages: list[dict], tokenizer: PreTrainedTokenizerBase, tools: Any) -> list[int]:
+def rendered(messages: list[dict], tokenizer: PreTrainedTokenizerBase, tools: Any) -> list[int]:
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

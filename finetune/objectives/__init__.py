@@ -8,6 +8,8 @@ micro-batch with the metrics it logs, and evaluation. The loop asks it and never
     loss(model, batch)  -> (summed loss over those units, differentiable; the metrics' sums, detached)
     evaluate(...)       -> the eval metrics over a whole loader, each unit counted once
     periodic_metrics()  -> what it gathered between logs (a mixture of experts' load per layer), or {}
+    rollout(...)        -> the step's micro-batches as the loss takes them: as loaded, or (online RL) the
+                           completions the model samples for their prompts, trained on `steps_per_window` steps
 
 Before it exists, the build asks its builder (`objective_for`, chosen once from the recipe) what the objective
 trains on (its samples and their batching), how the model is prepared for it (dropout off for preference
@@ -30,11 +32,13 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerBase
 
 from finetune.batch import Batch
 from finetune.config import RecipeConfig
 from finetune.errors import FinetuneError, first_line
 from finetune.objectives.balanced import WithBalancingLoss
+from finetune.objectives.grpo import GRPO, GRPOBuilder
 from finetune.objectives.preference import Preference, PreferenceBuilder
 from finetune.objectives.supervised import Supervised, SupervisedBuilder
 
@@ -44,7 +48,8 @@ if TYPE_CHECKING:
     from finetune.weights import Weights
 
 __all__ = [
-    "WithBalancingLoss", "BuildContext", "Objective", "ObjectiveBuilder", "Preference", "Supervised", "objective_for",
+    "GRPO", "WithBalancingLoss", "BuildContext", "Objective", "ObjectiveBuilder", "Preference", "Supervised",
+    "objective_for",
 ]  # fmt: skip
 
 
@@ -55,6 +60,14 @@ class Objective(Protocol):
     """What `loss` sums besides the loss, in order; logged as each sum over the step's units."""
     progress_name: str | None
     """The metric the progress bar shows beside the loss, if any."""
+    steps_per_window: int
+    """Optimizer steps each window of micro-batches trains (online RL's num_iterations; 1 for the others)."""
+
+    def rollout(
+        self, model: torch.nn.Module, micro_batches: list[Batch], step: int, accelerator: Accelerator
+    ) -> list[Batch]:
+        """The micro-batches step `step` trains on, made from those loaded (a collective where it generates)."""
+        ...
 
     def count(self, batch: Batch) -> torch.Tensor: ...
 
@@ -79,6 +92,7 @@ class BuildContext:
     loss_path: LossPath
     weights: Weights
     resume_from: Path | None
+    tokenizer: PreTrainedTokenizerBase
 
 
 class ObjectiveBuilder(Protocol):
@@ -102,9 +116,12 @@ class ObjectiveBuilder(Protocol):
 
 def objective_for(recipe: RecipeConfig) -> ObjectiveBuilder:
     """The recipe's objective: `train.objective` (a `module:attribute` taking the recipe and returning an
-    ObjectiveBuilder), else preference tuning with a `preference` section, else supervised fine-tuning."""
+    ObjectiveBuilder), else online RL with an `rl` section, preference tuning with a `preference` section, else
+    supervised fine-tuning."""
     if recipe.train.objective is not None:
         return _imported(recipe.train.objective)(recipe)
+    if recipe.rl is not None:
+        return GRPOBuilder(recipe.rl, recipe.model.name_or_path, adapters=recipe.peft is not None)
     if recipe.preference is not None:
         return PreferenceBuilder(recipe.preference)
     return SupervisedBuilder()

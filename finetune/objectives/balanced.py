@@ -40,6 +40,15 @@ class WithBalancingLoss:
     def progress_name(self) -> str | None:
         return self.inner.progress_name
 
+    @property
+    def steps_per_window(self) -> int:
+        return self.inner.steps_per_window
+
+    def rollout(
+        self, model: torch.nn.Module, micro_batches: list[Batch], step: int, accelerator: Accelerator
+    ) -> list[Batch]:
+        return self.inner.rollout(model, micro_batches, step, accelerator)
+
     def count(self, batch: Batch) -> torch.Tensor:
         return self.inner.count(batch)
 
@@ -52,7 +61,8 @@ class WithBalancingLoss:
         return total, torch.cat([sums.to(summed.device), (term.detach() * units).reshape(1)])
 
     def periodic_metrics(self, accelerator: Accelerator) -> dict[str, float]:
-        return self.balancing.load_metrics(lambda load: accelerator.reduce(load, "sum"))
+        load = self.balancing.load_metrics(lambda load: accelerator.reduce(load, "sum"))
+        return self.inner.periodic_metrics(accelerator) | load
 
     def evaluate(self, model: torch.nn.Module, loader: DataLoader, accelerator: Accelerator) -> dict[str, float]:
         return self.inner.evaluate(model, loader, accelerator)

@@ -17,7 +17,6 @@ average log-probability for SimPO and ORPO, as TRL logs them.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -28,7 +27,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from finetune.batch import Batch
@@ -36,19 +34,19 @@ from finetune.config import PreferenceConfig
 from finetune.data.preference import PAIR_SAMPLES
 from finetune.fingerprint import sampled_fingerprint
 from finetune.loss import LossPath, sequence_logps
-from finetune.model import base_fingerprint, disable_dropout, load_model, model_folder
+from finetune.model import base_fingerprint, disable_dropout, model_folder
 from finetune.reference import (
     REFERENCE_FILE,
     cache_path,
     check_resumable,
     compute_reference,
+    frozen_model,
     read_reference,
     reference_key,
     write_reference,
 )
-from finetune.routing import route_in_fp32
 from finetune.sequence import SequenceParallel, gather_rows, sequence_parallel
-from finetune.wrap import reshard, shard_frozen
+from finetune.wrap import reshard
 
 if TYPE_CHECKING:
     from finetune.objectives import BuildContext
@@ -122,6 +120,12 @@ class Preference:
     unit_name: str = "pairs"
     metric_names: tuple[str, ...] = METRICS
     progress_name: str | None = "rewards/accuracies"
+    steps_per_window: int = 1
+
+    def rollout(
+        self, model: torch.nn.Module, micro_batches: list[Batch], step: int, accelerator: Accelerator
+    ) -> list[Batch]:
+        return micro_batches
 
     @property
     def share(self) -> float:
@@ -250,28 +254,6 @@ class PreferenceBuilder:
         return objective, functools.partial(write_reference, output_file, table, key)
 
     def _reference_model(self, context: BuildContext) -> torch.nn.Module:
-        """preference.reference=model: the reference model, frozen, without dropout, in eval mode, in the policy's
-        parameter dtype and attention, sharded as the policy is."""
-        accelerator = context.accelerator
-        cfg = dataclasses.replace(context.recipe.model, name_or_path=self.cfg.reference_model, config_file=None)
-        reference = load_model(cfg, "none")
-        reference.requires_grad_(False)
-        disable_dropout(reference)
-        route_in_fp32(reference)  # as the policy routes (a dense model has no routers)
-        reference.eval()
-        mesh = getattr(accelerator, "torch_device_mesh", None)  # hybrid sharding's 2-D mesh; None: the whole world
-        fsdp_mesh = mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None
-        shard_frozen(reference, getattr(accelerator.state, "fsdp_plugin", None), accelerator.device, fsdp_mesh)
-        accelerator.print(
-            f"reference: {cfg.name_or_path}, frozen, sharded as the policy{_mesh_shape(reference)} "
-            "(preference.reference=model)"
+        return frozen_model(
+            context.recipe.model, self.cfg.reference_model, context.accelerator, "preference.reference=model"
         )
-        return reference
-
-
-def _mesh_shape(model: torch.nn.Module) -> str:
-    """' over a 2 x 2 mesh': the device mesh a sharded model's parameters live on, for the log ('' unsharded)."""
-    parameter = next(model.parameters())
-    if not isinstance(parameter, DTensor):
-        return ""
-    return " over a " + " x ".join(map(str, parameter.device_mesh.shape)) + " mesh"

@@ -21,6 +21,12 @@ class Supervised:
     unit_name: str = "target_tokens"
     metric_names: tuple[str, ...] = ()
     progress_name: str | None = None
+    steps_per_window: int = 1
+
+    def rollout(
+        self, model: torch.nn.Module, micro_batches: list[Batch], step: int, accelerator: Accelerator
+    ) -> list[Batch]:
+        return micro_batches
 
     def count(self, batch: Batch) -> torch.Tensor:
         return (batch["target_ids"] != IGNORE).sum()

@@ -1,0 +1,129 @@
+"""Prompts for online RL (`finetune.objectives.grpo`): TRL's prompt-only layout, tokenized, every column kept.
+
+A sample is a `prompt` (text, or a list of messages rendered with the chat template's generation prompt) and
+any other columns (an `answer`, test cases), which reach the reward functions as they are. The model writes the
+rest, so a prompt must leave `rl.max_new_tokens` of `data.max_length`: a longer one is refused, or left out and
+counted with data.truncation=drop (cutting it would ask a different question).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+import numpy
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from finetune.config import DataConfig
+from finetune.data.prompts import rendered
+from finetune.data.sources import SAMPLE_INDEX, source_name
+from finetune.errors import FinetuneError
+from finetune.quiet import no_datasets_bars
+
+PROMPT_COLUMNS = ("prompt_ids", "prompt_index")
+"""What tokenization adds: the prompt's token ids, and its number in the split (part of its completions' seed)."""
+
+
+@dataclass(frozen=True)
+class PromptStats:
+    num_prompts: int
+    num_too_long: int
+    num_tokens: int
+    longest: int
+
+    def describe(self, split: str) -> str:
+        dropped = f", {self.num_too_long:,} dropped as longer than the room left for completions" * bool(
+            self.num_too_long
+        )
+        return f"{split}: {self.num_prompts:,} prompts, {self.num_tokens:,} tokens (longest {self.longest:,}){dropped}"
+
+
+class PromptOnly:
+    """Prompt-only samples (`finetune.data.Samples`): batched as prompts; the objective samples the rest."""
+
+    numbered = False
+
+    def __init__(self, max_new_tokens: int, check_columns: Callable[[list[str], str], None]):
+        self.max_new_tokens = max_new_tokens
+        self.check_columns = check_columns
+        """Refuses data lacking a column the rewards read (given its columns, and where it is, for the message)."""
+
+    def prepare(
+        self,
+        parts: list[tuple[Any, datasets.Dataset]],
+        tokenizer: PreTrainedTokenizerBase,
+        cfg: DataConfig,
+        seed: int,
+        evaluation: bool = False,
+        first_index: int = 0,
+    ) -> tuple[datasets.Dataset, PromptStats]:
+        room = cfg.max_length - self.max_new_tokens
+        tokenized, too_long = [], 0
+        for source, dataset in parts:
+            where = source_name(source, cfg, evaluation) or ("the eval data" if evaluation else "the training data")
+            if "prompt" not in dataset.column_names:
+                columns = ", ".join(c for c in dataset.column_names if c != SAMPLE_INDEX)
+                raise FinetuneError(
+                    f"an rl section samples completions to prompts, and {where} has no prompt column ({columns}); "
+                    "rename its prompt column with a columns mapping"
+                )
+            self.check_columns([c for c in dataset.column_names if c != SAMPLE_INDEX], where)
+            with no_datasets_bars():
+                part = dataset.map(
+                    lambda sample: {"prompt_ids": _prompt_ids(sample, tokenizer)}, desc="tokenizing (prompts)"
+                )
+            lengths = numpy.array([len(ids) for ids in part["prompt_ids"]])
+            long = numpy.flatnonzero(lengths > room)
+            if len(long) and cfg.truncation != "drop":
+                first = int(part[int(long[0])][SAMPLE_INDEX]) if SAMPLE_INDEX in part.column_names else int(long[0])
+                raise FinetuneError(
+                    f"{len(long):,} prompts of {where} (the first: sample {first}, {lengths[long[0]]:,} tokens) are "
+                    f"longer than data.max_length - rl.max_new_tokens = {room:,} tokens, the room a prompt has; raise "
+                    "data.max_length, lower rl.max_new_tokens, or set data.truncation=drop to leave them out (counted)"
+                )
+            too_long += len(long)
+            kept = part.select(numpy.flatnonzero(lengths <= room)) if len(long) else part
+            tokenized.append(kept.remove_columns([c for c in kept.column_names if c == SAMPLE_INDEX]))
+        try:
+            every = tokenized[0] if len(tokenized) == 1 else datasets.concatenate_datasets(tokenized)
+        except ValueError as exc:
+            raise FinetuneError(
+                f"the sources of an rl run's data have different columns ({exc}); give every source the same columns "
+                "with its columns mapping"
+            ) from None
+        if len(every) == 0:
+            raise FinetuneError(
+                f"no prompt fits data.max_length - rl.max_new_tokens = {room:,} tokens; raise data.max_length or "
+                "lower rl.max_new_tokens"
+            )
+        every = every.add_column("prompt_index", numpy.arange(len(every), dtype=numpy.int64))
+        lengths = numpy.array([len(ids) for ids in every["prompt_ids"]])
+        return every, PromptStats(len(every), too_long, int(lengths.sum()), int(lengths.max()))
+
+    def collate(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
+        pad = tokenizer.pad_token_id
+
+        def collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+            """Prompts left-padded (as generation takes them), with their ids, numbers and columns as they are."""
+            width = max(len(row["prompt_ids"]) for row in rows)
+            columns = [c for c in rows[0] if c not in PROMPT_COLUMNS]
+            return {
+                "input_ids": torch.tensor([[pad] * (width - len(r["prompt_ids"])) + r["prompt_ids"] for r in rows]),
+                "prompt_index": torch.tensor([row["prompt_index"] for row in rows]),
+                "prompt_ids": [row["prompt_ids"] for row in rows],
+                "columns": {name: [row[name] for row in rows] for name in columns},
+            }
+
+        return collate
+
+
+def _prompt_ids(sample: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    prompt = sample["prompt"]
+    if isinstance(prompt, list):
+        return rendered(prompt, tokenizer, sample.get("tools"))
+    if not isinstance(prompt, str):
+        raise FinetuneError(f"a prompt is {type(prompt).__name__}; give each prompt as text or a list of messages")
+    return tokenizer(prompt)["input_ids"]

@@ -1,0 +1,451 @@
+"""Online RL with verifiable rewards: GRPO, and DAPO's and Dr. GRPO's losses (the `rl` section).
+
+A step's prompts (the loop's micro-batches of prompt-only samples, `finetune.data.prompt_only`) are answered
+`num_generations` times each by the model as it stands (`rollout`): sampled with seeded noise
+(`finetune.generation`), scored by the rewards (`finetune.rewards`), and each completion's advantage is its
+reward minus its group's mean, divided by the group's (or the step's) standard deviation. Every completion of a
+prompt is sampled on the process that holds the prompt, so a group's statistics need no communication, and the
+noise depends on the prompt's number and the rollout, never on the process: the same completions on any
+process count. Each micro-batch of prompts becomes a micro-batch of their completions (prompt + completion rows,
+right-padded, the completion tokens trained).
+
+The loss of a completion token is PPO's clipped surrogate (TRL's definitions, equal to its `GRPOTrainer` on the
+same log-probabilities, advantages and masks: tests/test_grpo.py):
+
+    ratio = exp(logp - logp_old)        (1 when each rollout is trained on once: logp_old is logp, detached)
+    loss  = -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A)  [+ beta * KL(policy, reference)]
+
+summed as the loop's unit asks: dapo averages over every completion token of the step (the unit: a token),
+grpo each completion's tokens and then over completions, dr_grpo sums a completion's and divides by
+max_new_tokens (the unit: a completion). With `num_iterations` > 1 a rollout is trained on for that many
+steps, against the log-probabilities it was sampled with (computed once, before its first update); checkpoints
+fall between rollouts (the config says so), where a run resumes exactly: a rollout depends only on the weights
+and the seed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerBase
+
+from finetune.batch import IGNORE, Batch
+from finetune.config import RLConfig
+from finetune.data.pack import with_host_indices
+from finetune.data.prompt_only import PromptOnly
+from finetune.generation import Sampling, complete, ended, generating, row_noise
+from finetune.loss import LossPath, token_logps
+from finetune.model import disable_dropout
+from finetune.rewards import Reward, build_rewards, check_columns, score
+from finetune.sequence import gather_rows
+from finetune.wrap import reshard
+
+if TYPE_CHECKING:
+    from finetune.objectives import BuildContext
+
+STD_EPSILON = 1e-4
+"""Added to the standard deviation that divides advantages (TRL's), so a group of almost equal rewards does not
+blow up."""
+
+
+@dataclass(frozen=True)
+class TokenLosses:
+    per_token: torch.Tensor
+    """(tokens,) each completion token's loss, differentiable."""
+    low_clipped: torch.Tensor
+    """(tokens,) the ratio fell below 1 - epsilon where the advantage is negative (the clipped side bounds it)."""
+    high_clipped: torch.Tensor
+    kl: torch.Tensor | None
+    """(tokens,) the per-token KL estimate to the reference (beta > 0), detached."""
+
+
+def token_losses(
+    cfg: RLConfig,
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    ref_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+) -> TokenLosses:
+    """Each completion token's clipped surrogate loss (and KL penalty), from its log-probability under the policy,
+    at sampling, under the reference, and its completion's advantage: all (tokens,)."""
+    ratio = torch.exp(logps - old_logps)
+    clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.upper_epsilon)
+    per_token = -torch.min(ratio * advantages, clipped * advantages)
+    kl = None
+    if cfg.beta:
+        # k3, an unbiased estimate of KL(policy || reference) with low variance (Schulman's).
+        difference = ref_logps - logps
+        kl = torch.exp(difference) - difference - 1
+        per_token = per_token + cfg.beta * kl
+        kl = kl.detach()
+    low = (ratio < 1 - cfg.epsilon) & (advantages < 0)
+    high = (ratio > 1 + cfg.upper_epsilon) & (advantages > 0)
+    return TokenLosses(per_token, low.detach(), high.detach(), kl)
+
+
+def summed_loss(
+    cfg: RLConfig, per_token: torch.Tensor, mask: torch.Tensor, sequence: torch.Tensor, num_sequences: int
+) -> torch.Tensor:
+    """A micro-batch's loss summed over the objective's units (the loop divides by the step's units): dapo, the
+    sum over tokens; grpo, each completion's mean over its tokens, summed; dr_grpo, each completion's sum over
+    max_new_tokens, summed. `mask` (tokens,) is 0 where a token trains nothing, `sequence` its completion."""
+    masked = per_token * mask
+    if cfg.loss == "dapo":
+        return masked.sum()
+    if cfg.loss == "dr_grpo":
+        return masked.sum() / cfg.max_new_tokens
+    zeros = torch.zeros(num_sequences, dtype=masked.dtype, device=masked.device)
+    counts = zeros.index_add(0, sequence, mask.to(masked.dtype))
+    return (zeros.index_add(0, sequence, masked) / counts.clamp(min=1)).sum()
+
+
+def advantages(
+    rewards_per_function: torch.Tensor,
+    weights: torch.Tensor,
+    num_generations: int,
+    scale: str,
+    batch_moments: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(advantages, rewards, whether each row's group (or batch) has rewards all equal), per completion, from its
+    rewards per function (NaN: not scored by it), completions grouped by prompt in order. A completion no function
+    scored has no reward and advantage 0, and is left out of its group's mean and deviation. `batch_moments`
+    sums (count, sum, sum of squares) over every process, for scale=batch."""
+    unscorable = torch.isnan(rewards_per_function).all(dim=1)
+    rewards = (rewards_per_function * weights).nansum(dim=1)
+    rewards[unscorable] = math.nan
+    grouped = rewards.view(-1, num_generations)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+    if scale == "batch":
+        valid = rewards[~unscorable].double()
+        count, total, squares = batch_moments(
+            torch.stack([valid.new_tensor(len(valid)), valid.sum(), (valid**2).sum()])
+        )
+        variance = (squares - total**2 / count) / (count - 1) if count > 1 else torch.tensor(math.nan)
+        std = variance.clamp(min=0).sqrt().float().expand_as(rewards)
+    else:
+        std = _nanstd(grouped).repeat_interleave(num_generations)
+    advantage = rewards - mean
+    if scale != "none":
+        advantage = advantage / (std + STD_EPSILON)
+    return torch.nan_to_num(advantage, nan=0.0), rewards, torch.isclose(std, torch.zeros_like(std))
+
+
+def _nanstd(grouped: torch.Tensor) -> torch.Tensor:
+    """Each row's standard deviation over its values that are not NaN (Bessel-corrected; NaN for fewer than 2)."""
+    count = (~torch.isnan(grouped)).sum(dim=1)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    variance = torch.nanmean((grouped - mean) ** 2, dim=1) * count / (count - 1)
+    return torch.where(count > 1, variance, torch.full_like(variance, math.nan)).sqrt()
+
+
+@dataclass
+class _Window:
+    """Rollout and loss statistics since the last log, summed on this process (`periodic_metrics` adds them up)."""
+
+    names: tuple[str, ...]
+    sums: torch.Tensor = field(init=False)
+    longest: float = 0.0
+
+    # completions, their tokens, truncated ones, groups, groups all equal, reward sum, reward square sum,
+    # scored completions; per function: sum, square sum, scored; then trained tokens, low, high, KL sum.
+    def __post_init__(self) -> None:
+        self.sums = torch.zeros(8 + 3 * len(self.names) + 4, dtype=torch.float64)
+
+    def add_rollout(self, rewards: torch.Tensor, per_function: torch.Tensor, lengths: list[int], truncated: list[bool],
+                    equal: torch.Tensor, num_generations: int) -> None:  # fmt: skip
+        scored = ~torch.isnan(rewards)
+        values = [
+            len(lengths), sum(lengths), sum(truncated), len(lengths) / num_generations,
+            equal.view(-1, num_generations)[:, 0].sum().item(), rewards[scored].double().sum().item(),
+            (rewards[scored].double() ** 2).sum().item(), scored.sum().item(),
+        ]  # fmt: skip
+        for column in per_function.double().T:
+            valid = column[~torch.isnan(column)]
+            values += [valid.sum().item(), (valid**2).sum().item(), len(valid)]
+        self.sums[: len(values)] += torch.tensor(values, dtype=torch.float64)
+        self.longest = max(self.longest, max(lengths))
+
+    def add_losses(self, mask: torch.Tensor, losses: TokenLosses) -> None:
+        kl = (losses.kl * mask).sum() if losses.kl is not None else mask.new_zeros(())
+        values = torch.stack([mask.sum(), (losses.low_clipped * mask).sum(), (losses.high_clipped * mask).sum(), kl])
+        self.sums[-4:] += values.detach().double().cpu()
+
+    def metrics(self, accelerator: Accelerator, beta: float) -> dict[str, float]:
+        sums = accelerator.reduce(self.sums.to(accelerator.device), "sum").cpu().tolist()
+        longest = torch.tensor(self.longest, device=accelerator.device)
+        if accelerator.num_processes > 1:
+            torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
+        self.sums.zero_()
+        self.longest = 0.0
+        completions, tokens, truncated, groups, equal, total, squares, scored = sums[:8]
+        values = {}
+        if completions:  # a rollout since the last log (with num_iterations > 1, a step may train on an old one)
+            values = {
+                "reward": total / max(scored, 1), "reward_std": _std(scored, total, squares),
+                "frac_reward_zero_std": equal / max(groups, 1), "completions/mean_length": tokens / completions,
+                "completions/max_length": longest.item(), "completions/clipped_ratio": truncated / completions,
+            }  # fmt: skip
+        for n, name in enumerate(self.names if completions else ()):
+            function_total, function_squares, function_scored = sums[8 + 3 * n : 11 + 3 * n]
+            values[f"rewards/{name}/mean"] = function_total / max(function_scored, 1)
+            values[f"rewards/{name}/std"] = _std(function_scored, function_total, function_squares)
+        trained, low, high, kl = sums[-4:]
+        values |= {
+            "clip_ratio/low_mean": low / max(trained, 1), "clip_ratio/high_mean": high / max(trained, 1),
+            "clip_ratio/region_mean": (low + high) / max(trained, 1),
+        }  # fmt: skip
+        if beta:
+            values["kl"] = kl / max(trained, 1)
+        return values
+
+
+def _std(count: float, total: float, squares: float) -> float:
+    if count < 2:
+        return 0.0
+    return math.sqrt(max(squares - total * total / count, 0.0) / (count - 1))
+
+
+@dataclass
+class GRPO:
+    """The `rl` objective (`finetune.objectives.Objective`), with `rollout` answering each step's prompts."""
+
+    cfg: RLConfig
+    loss_path: LossPath
+    rewards: list[Reward]
+    tokenizer: PreTrainedTokenizerBase
+    seed: int
+    reference: str
+    """none (beta 0), adapters (the model with its adapters switched off) or model (a frozen copy of the base)."""
+    reference_model: torch.nn.Module | None = None
+    gather_once: bool = True
+    """Generation keeps every layer's parameters gathered from the first decoding step to the last."""
+    window: _Window = field(init=False)
+    cached: tuple[int, list[Batch]] | None = None
+    """The rollout trained on again (num_iterations > 1): the step it was sampled at, and its micro-batches."""
+    metric_names: tuple[str, ...] = ()
+    progress_name: str | None = None
+
+    def __post_init__(self) -> None:
+        self.window = _Window(tuple(reward.name for reward in self.rewards))
+
+    @property
+    def unit_name(self) -> str:
+        return "completion_tokens" if self.cfg.loss == "dapo" else "completions"
+
+    @property
+    def steps_per_window(self) -> int:
+        return self.cfg.num_iterations
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        if self.cfg.loss == "dapo":
+            return batch["token_mask"].sum().double()
+        return torch.tensor(float(batch["advantages"].shape[0]), dtype=torch.float64)
+
+    def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        logps = token_logps(model, batch, self.loss_path, self.cfg.temperature)
+        old = batch.get("old_logps")
+        device = logps.device
+        sequence = batch["token_sequence"].to(device)
+        losses = token_losses(
+            self.cfg, logps, old.to(device) if old is not None else logps.detach(),
+            batch["ref_logps"].to(device) if "ref_logps" in batch else None,
+            batch["advantages"].to(device).index_select(0, sequence),
+        )  # fmt: skip
+        mask = batch["token_mask"].to(device)
+        self.window.add_losses(mask, losses)
+        summed = summed_loss(self.cfg, losses.per_token, mask, sequence, batch["advantages"].shape[0])
+        return summed, torch.zeros(0)
+
+    def periodic_metrics(self, accelerator: Accelerator) -> dict[str, float]:
+        return self.window.metrics(accelerator, self.cfg.beta)
+
+    def rollout(
+        self, model: torch.nn.Module, micro_batches: list[Batch], step: int, accelerator: Accelerator
+    ) -> list[Batch]:
+        """The step's micro-batches of prompts answered, scored and made micro-batches of completions (collective:
+        every process generates in lock-step). A rollout trained on again (num_iterations) is returned as it was."""
+        first_step = step - (step - 1) % self.cfg.num_iterations
+        if self.cached is not None and self.cached[0] == first_step:
+            return self.cached[1]
+        generations = self.cfg.num_generations
+        prompts = [ids for batch in micro_batches for ids in batch["prompt_ids"] for _ in range(generations)]
+        indices = [int(i) for batch in micro_batches for i in batch["prompt_index"] for _ in range(generations)]
+        seeds = [(self.seed, first_step, index, n % generations) for n, index in enumerate(indices)]
+        sampling = Sampling(self.cfg.temperature, self.cfg.top_p, row_noise(seeds, self.cfg.max_new_tokens))
+        was_training = model.training
+        model.eval()
+        with torch.no_grad(), generating(model, gather_once=self.gather_once):
+            completions = complete(model, prompts, self.tokenizer, accelerator, self.cfg.max_new_tokens, sampling)
+        model.train(was_training)
+        truncated = [not ended(c, self.tokenizer, model) for c in completions]
+        per_function = self._score(micro_batches, completions, repeats=generations)
+        moments = lambda values: accelerator.reduce(values.to(accelerator.device), "sum").cpu()  # noqa: E731
+        advantage, rewards, equal = advantages(
+            per_function, self._weights, generations, self.cfg.scale_rewards, moments
+        )
+        self.window.add_rollout(rewards, per_function, [len(c) for c in completions], truncated, equal, generations)
+        batches, start = [], 0
+        for batch in micro_batches:
+            rows = len(batch["prompt_ids"]) * generations
+            batches.append(self._completion_batch(
+                prompts[start : start + rows], completions[start : start + rows], advantage[start : start + rows],
+                truncated[start : start + rows],
+            ))  # fmt: skip
+            start += rows
+        self._add_log_probabilities(model, batches, accelerator)
+        self.cached = (first_step, batches) if self.cfg.num_iterations > 1 else None
+        return batches
+
+    @property
+    def _weights(self) -> torch.Tensor:
+        return torch.tensor([reward.weight for reward in self.rewards])
+
+    def _score(self, micro_batches: list[Batch], completions: list[list[int]], repeats: int) -> torch.Tensor:
+        """Rewards per completion and function, each function called once with every completion given; each
+        prompt's columns repeated for its `repeats` completions."""
+        columns: dict[str, list[Any]] = {}
+        for batch in micro_batches:
+            for name, values in batch["columns"].items():
+                columns.setdefault(name, []).extend(v for v in values for _ in range(repeats))
+        prompts = columns.pop("prompt")
+        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        # As TRL gives them: conversations' completions as an assistant message, text prompts' as text.
+        given = [
+            [{"role": "assistant", "content": t}] if isinstance(p, list) else t
+            for p, t in zip(prompts, texts, strict=True)
+        ]
+        return score(self.rewards, prompts, given, completions, columns)
+
+    def _completion_batch(
+        self, prompts: list[list[int]], completions: list[list[int]], advantage: torch.Tensor, truncated: list[bool]
+    ) -> Batch:
+        """Rows of prompt + completion, right-padded; the completion's tokens are the targets."""
+        width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+        pad = self.tokenizer.pad_token_id
+        input_ids, target_ids, mask, token_sequence, token_mask = [], [], [], [], []
+        for n, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+            ids = prompt + completion
+            padding = width - len(ids)
+            input_ids.append(ids + [pad] * padding)
+            target_ids.append([IGNORE] * (len(prompt) - 1) + completion + [IGNORE] * (padding + 1))
+            mask.append([1] * len(ids) + [0] * padding)
+            token_sequence += [n] * len(completion)
+            token_mask += [0.0 if self.cfg.mask_truncated and truncated[n] else 1.0] * len(completion)
+        batch: Batch = {
+            "input_ids": torch.tensor(input_ids), "target_ids": torch.tensor(target_ids),
+            "attention_mask": torch.tensor(mask), "num_tokens": torch.tensor(sum(map(sum, mask))),
+            "advantages": advantage.float(), "token_sequence": torch.tensor(token_sequence),
+            "token_mask": torch.tensor(token_mask),
+        }  # fmt: skip
+        return with_host_indices(batch)
+
+    @torch.no_grad()
+    def _add_log_probabilities(self, model: torch.nn.Module, batches: list[Batch], accelerator: Accelerator) -> None:
+        """What the loss compares with, computed once per rollout: the log-probabilities at sampling (when a rollout
+        is trained on more than once) and the reference's (beta > 0)."""
+        device = accelerator.device
+        for n, batch in enumerate(batches):
+            batches[n] = batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            if self.cfg.num_iterations > 1:
+                batch["old_logps"] = token_logps(model, batch, self.loss_path, self.cfg.temperature)
+            if self.reference == "model":
+                batch["ref_logps"] = token_logps(self.reference_model, batch, self.loss_path, self.cfg.temperature)
+            elif self.reference == "adapters":
+                from finetune.adapters import adapters_disabled
+
+                with adapters_disabled(model):
+                    batch["ref_logps"] = token_logps(model, batch, self.loss_path, self.cfg.temperature)
+        if self.cfg.num_iterations > 1 or self.reference != "none":
+            reshard(model)
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, loader: DataLoader, accelerator: Accelerator) -> dict[str, float]:
+        """The held-out prompts answered greedily, once each: the mean reward (and each function's, over the
+        completions it scored) and completion length, each prompt counted once whatever the process count."""
+        model.eval()
+        sums = torch.zeros(2 + 2 * len(self.rewards), dtype=torch.float64)
+        count = 0
+        with generating(model, gather_once=self.gather_once):
+            for batch in loader:
+                completions = complete(
+                    model, batch["prompt_ids"], self.tokenizer, accelerator, self.cfg.max_new_tokens
+                )
+                per_function = self._score([batch], completions, repeats=1)
+                reward = (per_function * self._weights).nansum(dim=1, keepdim=True)
+                length = torch.tensor([[len(c)] for c in completions], dtype=torch.float32)
+                scored = (~torch.isnan(per_function)).float()
+                rows = torch.cat([reward, length, torch.nan_to_num(per_function), scored], dim=1)
+                # Without the prompts accelerate repeated to give every process equal batches.
+                (rows,) = gather_rows(accelerator, (rows.to(accelerator.device),))
+                sums += rows.double().sum(dim=0).cpu()
+                count += rows.shape[0]
+        model.train()
+        total, length, *per_function = (sums / max(count, 1)).tolist()
+        values = {"reward": total, "completion_tokens": length}
+        functions = len(self.rewards)
+        scored_share = per_function[functions:]
+        for reward, mean, share in zip(self.rewards, per_function[:functions], scored_share, strict=True):
+            values[f"rewards/{reward.name}"] = mean / share if share else math.nan
+        return values
+
+
+class GRPOBuilder:
+    """Online RL as the build knows it (`finetune.objectives.ObjectiveBuilder`): prompts, dropout off, the rewards
+    imported and checked at once, and the reference the KL penalty compares with (beta > 0)."""
+
+    name = "rl"
+    unit_noun = "prompts"
+
+    def __init__(self, cfg: RLConfig, base: str, adapters: bool):
+        self.cfg = cfg
+        self.rewards = build_rewards(cfg.rewards)  # before anything loads: an import error is found in seconds
+        self.samples = PromptOnly(
+            cfg.max_new_tokens, lambda columns, where: check_columns(self.rewards, columns, where)
+        )
+        self.reference = "none" if not cfg.beta else "adapters" if adapters else "model"
+        self.reference_model = base if self.reference == "model" else None
+
+    def prepare_model(self, model: torch.nn.Module, accelerator: Accelerator) -> None:
+        dropped = disable_dropout(model)  # sampled, scored and trained on as one and the same policy
+        if dropped:
+            accelerator.print(f"dropout: off for online RL ({dropped})")
+
+    def build(self, context: BuildContext) -> tuple[GRPO, Callable[[], None]]:
+        accelerator = context.accelerator
+        once, line = _gather_once(accelerator.unwrap_model(context.model), accelerator)
+        accelerator.print(line)
+        objective = GRPO(
+            self.cfg, context.loss_path, self.rewards, context.tokenizer, context.recipe.train.seed, self.reference,
+            gather_once=once,
+        )  # fmt: skip
+        if self.reference == "model":
+            from finetune.reference import frozen_model
+
+            objective.reference_model = frozen_model(context.recipe.model, self.reference_model, accelerator,
+                                                     "rl.beta > 0: the initial weights")  # fmt: skip
+        return objective, lambda: None
+
+
+def _gather_once(model: torch.nn.Module, accelerator: Accelerator) -> tuple[bool, str]:
+    """Whether generation gathers every layer's parameters once per rollout (when the whole model fits in half
+    the device's free memory, beside the KV cache and the sharded state), or once per layer and token."""
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    unit = 2**30
+    if accelerator.device.type != "cuda":
+        return True, f"generation: parameters gathered once per rollout ({size / unit:.2f} GiB, in host memory)"
+    free, _ = torch.cuda.mem_get_info(accelerator.device)
+    if size <= free / 2:
+        return (
+            True,
+            f"generation: parameters gathered once per rollout ({size / unit:.1f} GiB of {free / unit:.1f} free)",
+        )
+    return False, (
+        f"generation: parameters gathered per layer at every token (the whole model, {size / unit:.1f} GiB, is more "
+        f"than half the {free / unit:.1f} GiB free)"
+    )

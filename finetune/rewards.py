@@ -1,0 +1,183 @@
+"""Online RL's rewards (`rl.rewards`): what scores a sampled completion, as TRL's reward functions do.
+
+A reward is a built-in or a function of your own, called once per rollout with every completion of the process:
+
+    function(prompts=[...], completions=[...], completion_ids=[...], **columns) -> [float | None, ...]
+
+`prompts` as the data holds them (text, or a list of messages); `completions` as text for text prompts and as
+`[{"role": "assistant", "content": text}]` for conversations; every other column of the data by its name, one
+value per completion. None leaves a completion unscored by that function (its group's baseline ignores it).
+Built-ins: `exact_match` (the completion, or what `pattern` extracts from it, equals the `column`'s value, both
+stripped) and `regex` (1.0 when the completion matches `pattern` whole).
+
+Imports and signatures are checked before anything loads; the columns a reward reads, once the data is read.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from finetune.config import RewardConfig
+from finetune.errors import FinetuneError, first_line
+
+ARGUMENTS = ("prompts", "completions", "completion_ids")
+"""What every reward function is given besides the data's columns."""
+
+
+@dataclass(frozen=True)
+class Reward:
+    name: str
+    weight: float
+    function: Callable[..., Sequence[float | None]]
+    column: str | None
+    """The data column a built-in reads, checked against the data."""
+
+
+def build_rewards(configs: list[RewardConfig]) -> list[Reward]:
+    """The recipe's rewards, imported and checked (one message naming the fix for each kind of mistake)."""
+    rewards = []
+    for cfg in configs:
+        if cfg.function == "exact_match":
+            rewards.append(Reward(cfg.name, cfg.weight, _exact_match(cfg), cfg.column))
+        elif cfg.function == "regex":
+            rewards.append(Reward(cfg.name, cfg.weight, _regex(cfg.pattern or ""), None))
+        else:
+            rewards.append(Reward(cfg.name, cfg.weight, _imported(cfg.function), None))
+    names = [reward.name for reward in rewards]
+    if len(set(names)) < len(names):
+        raise FinetuneError(
+            f"rl.rewards names {', '.join(names)}: two have one name, and each is logged by its name; "
+            "give one a label of its own (rl.rewards: [{function: ..., label: ...}])"
+        )
+    return rewards
+
+
+def check_columns(rewards: list[Reward], columns: Sequence[str], where: str) -> None:
+    """A built-in's column, or a function's required keyword argument, missing from the data."""
+    for reward in rewards:
+        if reward.column is not None and reward.column not in columns:
+            raise FinetuneError(
+                f"rl.rewards: {reward.name} compares with column {reward.column!r}, which {where} lacks (columns: "
+                f"{', '.join(columns)}); set its column to one of them"
+            )
+        missing = [name for name in _required(reward.function) if name not in (*ARGUMENTS, *columns)]
+        if missing:
+            raise FinetuneError(
+                f"rl.rewards: {reward.name} requires {', '.join(missing)}, which {where} lacks as columns (columns: "
+                f"{', '.join(columns)}); give the argument a default or add the column"
+            )
+
+
+def score(
+    rewards: list[Reward],
+    prompts: list[Any],
+    completions: list[Any],
+    completion_ids: list[list[int]],
+    columns: dict[str, list[Any]],
+) -> torch.Tensor:
+    """(completions, rewards) float32 scores, NaN where a function returned None."""
+    scores = torch.empty(len(completions), len(rewards), dtype=torch.float32)
+    for n, reward in enumerate(rewards):
+        try:
+            values = reward.function(
+                prompts=prompts, completions=completions, completion_ids=completion_ids, **columns
+            )
+        except Exception as exc:
+            raise FinetuneError(
+                f"rl.rewards: {reward.name} raised {type(exc).__name__}: {first_line(exc)}; fix the function (it is "
+                "called with prompts, completions, completion_ids and the data's columns as keyword arguments)"
+            ) from exc
+        values = list(values) if values is not None else []
+        if len(values) != len(completions):
+            raise FinetuneError(
+                f"rl.rewards: {reward.name} returned {len(values)} values for {len(completions)} completions; return "
+                "one float (or None) per completion"
+            )
+        for i, value in enumerate(values):
+            if value is not None and not (isinstance(value, int | float) and math.isfinite(value)):
+                raise FinetuneError(
+                    f"rl.rewards: {reward.name} returned {value!r} for completion {i}; return a finite float, or None "
+                    "to leave a completion unscored"
+                )
+            scores[i, n] = math.nan if value is None else float(value)
+    return scores
+
+
+def completion_text(completion: Any) -> str:
+    """A completion's text, whether given as text or as an assistant message."""
+    if isinstance(completion, list):
+        return "".join(str(message.get("content") or "") for message in completion if isinstance(message, dict))
+    return str(completion)
+
+
+def _exact_match(cfg: RewardConfig) -> Callable[..., list[float]]:
+    column, pattern = cfg.column, re.compile(cfg.pattern, re.DOTALL) if cfg.pattern else None
+
+    def exact_match(completions: list[Any], **columns: list[Any]) -> list[float]:
+        scores = []
+        for completion, reference in zip(completions, columns[column], strict=True):
+            text = completion_text(completion)
+            if pattern is not None:
+                found = pattern.findall(text)
+                text = (found[-1][0] if isinstance(found[-1], tuple) else found[-1]) if found else None
+            scores.append(float(text is not None and text.strip() == str(reference).strip()))
+        return scores
+
+    return exact_match
+
+
+def _regex(pattern: str) -> Callable[..., list[float]]:
+    compiled = re.compile(pattern, re.DOTALL)
+
+    def regex(completions: list[Any], **_: Any) -> list[float]:
+        return [float(compiled.fullmatch(completion_text(c)) is not None) for c in completions]
+
+    return regex
+
+
+def _imported(name: str) -> Callable[..., Sequence[float | None]]:
+    module, _, attribute = name.partition(":")
+    try:
+        found = importlib.import_module(module)
+        for part in attribute.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError) as exc:
+        raise FinetuneError(
+            f"rl.rewards: {name} cannot be imported ({first_line(exc)}); name a module on the Python path and a "
+            "function in it as module:function"
+        ) from None
+    if not callable(found):
+        raise FinetuneError(f"rl.rewards: {name} is not callable; name a function as module:function")
+    try:
+        parameters = inspect.signature(found).parameters.values()
+    except (TypeError, ValueError):
+        return found  # a builtin without a signature: its first call says whether it takes the arguments
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    positional_only = [
+        p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_ONLY and p.default is p.empty
+    ]
+    if positional_only or not (takes_any or "completions" in {p.name for p in parameters}):
+        raise FinetuneError(
+            f"rl.rewards: {name} takes ({', '.join(p.name for p in parameters)}); a reward function is called with "
+            "keyword arguments: define it as def f(completions, **kwargs) (prompts, completion_ids and the data's "
+            "columns come as keywords)"
+        )
+    return found
+
+
+def _required(function: Callable[..., Any]) -> list[str]:
+    """The keyword arguments a function cannot do without (no default, not *args/**kwargs)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in parameters if p.kind in kinds and p.default is p.empty]

@@ -1,0 +1,322 @@
+"""Online RL (`rl:`): the losses and advantages against TRL's GRPOTrainer, seeded sampling, rewards and their
+errors, and real runs: 1 process vs 2 (the same completions and weights), resumed between rollouts."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import shutil
+import types
+
+import pytest
+import torch
+from helpers import REPO, LaunchedRun, launch
+from safetensors.torch import load_file
+
+from finetune.config import RewardConfig, RLConfig, load_recipe
+from finetune.errors import FinetuneError
+from finetune.objectives.grpo import advantages, summed_loss, token_losses
+from finetune.rewards import build_rewards, check_columns, score
+
+GRPO_RECIPE = REPO / "recipes" / "demo" / "tiny_llama_grpo.yaml"
+
+
+# ---- The loss and advantages, against TRL's GRPOTrainer on the same log-probabilities, rewards and masks.
+
+
+def _trl_loss(loss: str, beta: float, logps, old, ref, advantage, mask, max_new_tokens: int):
+    """TRL's `GRPOTrainer._compute_loss` itself, on one process without accumulation, fed these log-probabilities."""
+    from trl import GRPOTrainer
+
+    accelerator = types.SimpleNamespace(num_processes=1, reduce=lambda t, reduction: t, gather=lambda t: t,
+                                        gather_for_metrics=lambda t: t, sync_gradients=True)  # fmt: skip
+    trainer = types.SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logps, torch.zeros_like(logps), None),
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
+        loss_type=loss, epsilon_low=0.2, epsilon_high=0.28, use_vllm=False, _entropy_bonus_enabled=False,
+        aux_loss_enabled=False, model=types.SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
+        max_completion_length=max_new_tokens, accelerator=accelerator,
+        _metrics={"train": collections.defaultdict(list)},
+        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
+    )  # fmt: skip
+    inputs = {
+        "prompt_ids": torch.zeros(mask.shape[0], 1, dtype=torch.long), "prompt_mask": torch.ones(mask.shape[0], 1),
+        "completion_ids": torch.zeros_like(mask, dtype=torch.long), "completion_mask": mask,
+        "advantages": advantage, "old_per_token_logps": old, "ref_per_token_logps": ref,
+        "num_items_in_batch": mask.sum(),
+    }  # fmt: skip
+    return GRPOTrainer._compute_loss(trainer, None, inputs)
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_the_loss_and_its_gradient_equal_trl_grpo_trainer(loss, beta):
+    torch.manual_seed(0)
+    rows, width, max_new_tokens = 6, 7, 9
+    lengths = torch.tensor([7, 3, 1, 5, 7, 2])
+    completion = (torch.arange(width)[None] < lengths[:, None]).float()
+    mask = completion.clone()
+    mask[3] = 0  # a truncated completion masked (rl.mask_truncated): in TRL's mask, out of ours by token_mask
+    logps = (-torch.rand(rows, width) * 3).requires_grad_()
+    old = logps.detach() + torch.randn(rows, width) * 0.6  # a rollout trained on again: ratios away from 1
+    ref = logps.detach() + torch.randn(rows, width) * 0.2
+    advantage = torch.tensor([1.0, -1.2, 0.5, -0.3, 0.8, -0.9])
+    expected = _trl_loss(loss, beta, logps, old, ref, advantage, mask, max_new_tokens)
+    (expected_grad,) = torch.autograd.grad(expected, logps)
+
+    cfg = RLConfig(rewards=[RewardConfig(function="exact_match")], loss=loss, beta=beta, epsilon=0.2,
+                   epsilon_high=0.28, max_new_tokens=max_new_tokens)  # fmt: skip
+    kept = completion.bool()  # our tokens: the completions', rows flattened
+    sequence = torch.arange(rows)[:, None].expand(rows, width)[kept]
+    ours = token_losses(cfg, logps[kept], old[kept], ref[kept] if beta else None, advantage[sequence])
+    units = mask.sum() if loss == "dapo" else torch.tensor(float(rows))  # the objective's count
+    total = summed_loss(cfg, ours.per_token, mask[kept], sequence, rows) / units
+    (grad,) = torch.autograd.grad(total, logps)
+    torch.testing.assert_close(total, expected, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-8)
+    assert ours.low_clipped.any() and ours.high_clipped.any()  # both sides of the clip are exercised
+
+
+def _trl_advantages(rewards_per_function, weights, generations, scale):
+    """TRL's advantage computation (GRPOTrainer._generate_and_score_completions, sum_then_normalize), with its
+    own `nanstd`: the steps in its order."""
+    from trl.trainer.utils import nanstd
+
+    unscorable = torch.isnan(rewards_per_function).all(dim=1)
+    rewards = (rewards_per_function * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    mean = torch.nanmean(rewards.view(-1, generations), dim=1).repeat_interleave(generations)
+    if scale == "batch":
+        std = nanstd(rewards).expand_as(rewards)
+    else:
+        std = nanstd(rewards.view(-1, generations), dim=1).repeat_interleave(generations)
+    advantage = rewards - mean
+    if scale != "none":
+        advantage = advantage / (std + 1e-4)
+    return torch.nan_to_num(advantage, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_equal_trl(scale):
+    torch.manual_seed(1)
+    per_function = torch.rand(12, 2).round()
+    per_function[0:4, 0] = 1.0  # a group whose rewards are all equal
+    per_function[0:4, 1] = 0.0
+    per_function[5, :] = math.nan  # unscored by every function: no reward, advantage 0
+    per_function[6, 1] = math.nan  # unscored by one
+    weights = torch.tensor([1.0, 0.5])
+
+    def moments(values):  # one process: its own sums
+        return values
+
+    ours, _, equal = advantages(per_function, weights, 4, scale, moments)
+    expected, expected_equal = _trl_advantages(per_function, weights, 4, scale)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(equal, expected_equal)
+    assert ours[5] == 0 and (scale == "batch" or (ours[:4] == 0).all())
+
+
+# ---- Rewards: built-ins, functions of your own, and every way a reward can be wrong.
+
+
+def good_reward(completions, answer, **kwargs):
+    return [
+        float(c[0]["content"] == a) if isinstance(c, list) else None for c, a in zip(completions, answer, strict=True)
+    ]
+
+
+def positional_reward(completions, /):
+    return [0.0] * len(completions)
+
+
+def short_reward(completions, **kwargs):
+    return [1.0]
+
+
+def nan_reward(completions, **kwargs):
+    return [math.nan] * len(completions)
+
+
+def test_rewards_built_in_and_imported():
+    exact, boxed, form, own = build_rewards([
+        RewardConfig(function="exact_match"),
+        RewardConfig(function="exact_match", pattern=r"#### (\S+)", label="boxed"),
+        RewardConfig(function="regex", pattern=r"\d( \d)*"), RewardConfig(function="test_grpo:good_reward", weight=2),
+    ])  # fmt: skip
+    assert own.name == "good_reward" and own.weight == 2 and boxed.name == "boxed"
+    with pytest.raises(FinetuneError, match="give one a label of its own"):
+        build_rewards([RewardConfig(function="exact_match"), RewardConfig(function="exact_match", column="x")])
+    completions = [[{"role": "assistant", "content": "3 2 1"}], [{"role": "assistant", "content": "so #### 7"}]]
+    scores = score([exact, boxed, form, own], ["p", "q"], completions, [[1], [2]], {"answer": ["3 2 1", "7"]})
+    assert scores.tolist() == [[1.0, 0.0, 1.0, 1.0], [0.0, 1.0, 0.0, 0.0]]
+    unscored = score([own], ["p"], ["3 2 1"], [[1]], {"answer": ["3 2 1"]})
+    assert math.isnan(unscored.item())  # None: not scored
+    check_columns([exact, own], ["prompt", "answer"], "the data")
+    with pytest.raises(FinetuneError, match="compares with column 'answer', which the data lacks"):
+        check_columns([exact], ["prompt", "solution"], "the data")
+    with pytest.raises(FinetuneError, match="good_reward requires answer, which the data lacks"):
+        check_columns([own], ["prompt"], "the data")
+
+
+@pytest.mark.parametrize(
+    ("function", "message"),
+    [
+        ("no_such_module:reward", "rl.rewards: no_such_module:reward cannot be imported"),
+        ("test_grpo:missing", "cannot be imported"),
+        ("test_grpo:positional_reward", "a reward function is called with keyword arguments"),
+        ("test_grpo:GRPO_RECIPE", "is not callable"),
+    ],
+)
+def test_a_reward_that_cannot_be_called_is_refused_before_anything_loads(function, message):
+    with pytest.raises(FinetuneError, match=message):
+        build_rewards([RewardConfig(function=function)])
+
+
+def test_a_reward_returning_the_wrong_count_or_nan_is_refused():
+    (short,) = build_rewards([RewardConfig(function="test_grpo:short_reward")])
+    with pytest.raises(FinetuneError, match="returned 1 values for 2 completions; return one float"):
+        score([short], ["p", "q"], ["a", "b"], [[1], [2]], {})
+    (nan,) = build_rewards([RewardConfig(function="test_grpo:nan_reward")])
+    with pytest.raises(FinetuneError, match="returned nan for completion 0; return a finite float, or None"):
+        score([nan], ["p"], ["a"], [[1]], {})
+
+
+# ---- The recipe: settings a run cannot honour are refused at load.
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rl.num_generations=1"], "rl.num_generations must be >= 2"),
+        (["data.packing=true"], "set data.packing=false"),
+        (["rl.max_new_tokens=64"], "leaves no room for prompts after rl.max_new_tokens=64"),
+        (["rl.num_iterations=2", "checkpoint.save_every_steps=3"], "must be a multiple of rl.num_iterations=2"),
+        (["rl.rewards=[]"], "rl.rewards is empty"),
+        (["rl.rewards=[{function: regex}]"], "function=regex needs a pattern"),
+        (["rl.rewards=[{function: correct}]"], "neither a built-in"),
+        (["preference.loss=dpo"], "remove the preference section"),
+    ],
+)
+def test_rl_settings_a_run_cannot_honour_are_refused(overrides, message):
+    with pytest.raises(FinetuneError, match=message):
+        load_recipe(GRPO_RECIPE, overrides)
+
+
+# ---- Sampling: a row's completion depends on its seed and the weights only, not on its batch.
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(demo_assets):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.generation import Sampling, complete, generating, row_noise
+
+    model = AutoModelForCausalLM.from_pretrained(demo_assets / "base", dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(demo_assets / "base")
+    accelerator = types.SimpleNamespace(device=torch.device("cpu"), num_processes=1)
+    prompts = [tokenizer(f"<|user|>reverse: {' '.join('1234567'[:n])}<|end|><|assistant|>")["input_ids"] for n in
+               range(1, 7)]  # fmt: skip
+    seeds = [(5, 1, index, 0) for index in range(len(prompts))]
+    with torch.no_grad(), generating(model):
+        together = complete(model, prompts, tokenizer, accelerator, 12, Sampling(0.9, 0.95, row_noise(seeds, 12)))
+        alone = [complete(model, [p], tokenizer, accelerator, 12, Sampling(0.9, 0.95, row_noise([s], 12)))[0]
+                 for p, s in zip(prompts, seeds, strict=True)]  # fmt: skip
+        reseeded = complete(model, prompts, tokenizer, accelerator, 12,
+                            Sampling(0.9, 0.95, row_noise([(6, *s[1:]) for s in seeds], 12)))  # fmt: skip
+        greedy = complete(model, prompts, tokenizer, accelerator, 12)
+        greedy_alone = [complete(model, [p], tokenizer, accelerator, 12)[0] for p in prompts]
+    assert together == alone and greedy == greedy_alone  # left padding changes nothing a row sees
+    assert reseeded != together  # the seed is what decides
+
+
+# ---- Real runs: GRPO from a partly trained demo model on 1 process and 2, and resumed elastically between
+# rollouts. Each rollout is trained on twice (num_iterations), with a KL penalty to the base (a frozen copy).
+
+
+def _grpo(
+    tmp_path_factory, assets, base, name: str, processes: int, output_dir=None, config=None, **extra
+) -> LaunchedRun:
+    output_dir = output_dir or tmp_path_factory.mktemp(name) / "out"
+    values = {
+        "model.name_or_path": base, "data.train_path": assets / "data" / "prompts_train.jsonl",
+        "data.eval_path": assets / "data" / "prompts_eval.jsonl", "output.dir": output_dir, "output.trackers": "[]",
+        "train.max_steps": 4, "train.eval_every_steps": 4, "train.log_every_steps": 1, "optim.warmup_steps": 0,
+        "train.micro_batch_size": 8 // processes, "rl.num_generations": 6, "rl.num_iterations": 2,
+        "rl.temperature": 0.5, "rl.beta": 0.04, "checkpoint.save_every_steps": 2, "eval.generate.samples": 20,
+        **extra,
+    }  # fmt: skip
+    config = config or ("single_gpu.yaml" if processes == 1 else "fsdp2_full_shard.yaml")
+    overrides = [f"{key}={value}" for key, value in values.items()]
+    result = launch(config, overrides, num_processes=processes, recipe=GRPO_RECIPE)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return LaunchedRun(result, output_dir)
+
+
+@pytest.fixture(scope="module")
+def grpo_runs(tmp_path_factory, demo_assets, partly_trained) -> tuple[LaunchedRun, LaunchedRun]:
+    one = _grpo(tmp_path_factory, demo_assets, partly_trained, "grpo1", 1)
+    two = _grpo(tmp_path_factory, demo_assets, partly_trained, "grpo2", 2)
+    return one, two
+
+
+def _per_step(run: LaunchedRun) -> dict[int, dict[str, float]]:
+    """What each step logged of its rollout and update (its speed and padding left out)."""
+    timed = ("tokens_per_second", "step_seconds", "step", "fill")  # fill: padding, which the layout decides
+    return {m["step"]: {k: v for k, v in m.items() if k not in timed} for m in run.metrics() if "loss" in m}
+
+
+@pytest.mark.multiprocess
+def test_grpo_samples_and_trains_the_same_on_one_process_and_two(grpo_runs):
+    one, two = grpo_runs
+    steps = _per_step(one)
+    assert sorted(steps) == [1, 2, 3, 4] and all("reward" in steps[s] for s in (1, 3))  # a rollout every 2 steps
+    assert "reward" not in steps[2] and steps[2]["clip_ratio/region_mean"] >= 0  # step 2 trains on step 1's
+    for step, values in _per_step(two).items():  # the same completions, rewards and updates
+        assert values == pytest.approx(steps[step], rel=1e-4, abs=1e-6), step
+    assert 0 < steps[1]["reward"] < 1 and steps[1]["frac_reward_zero_std"] < 1  # rewards vary within groups
+    assert steps[2]["kl"] > 0  # the policy has moved from its reference
+    first, second = (load_file(run.output_dir / "final" / "model.safetensors") for run in grpo_runs)
+    assert max((first[k] - second[k]).abs().max().item() for k in first) < 1e-5
+    evaluated = [m for m in two.metrics() if "eval_reward" in m]
+    assert evaluated and {"eval_rewards/exact_match", "eval_completion_tokens", "eval_exact_match"} <= set(
+        evaluated[0]
+    )
+    assert "generation: parameters gathered once per rollout" in two.log
+    assert "(rl.beta > 0: the initial weights)" in two.log and "16 prompts per step" not in two.log
+    assert "8 prompts per step" in two.log or "= 8 prompts" in two.log
+
+
+@pytest.mark.multiprocess
+def test_grpo_resumes_between_rollouts_on_another_process_count(grpo_runs, tmp_path_factory, demo_assets,
+                                                                partly_trained):  # fmt: skip
+    one, two = grpo_runs
+    output_dir = tmp_path_factory.mktemp("grpo_resumed") / "out"
+    shutil.copytree(two.output_dir / "checkpoints" / "step_2", output_dir / "checkpoints" / "step_2")
+    resumed = _grpo(tmp_path_factory, demo_assets, partly_trained, "", 1, output_dir, "fsdp2_full_shard.yaml",
+                    **{"checkpoint.resume": "auto"})  # fmt: skip
+    expected = _per_step(two)
+    assert sorted(_per_step(resumed)) == [3, 4]
+    for step, values in _per_step(resumed).items():
+        assert values == pytest.approx(expected[step], rel=1e-4, abs=1e-6), step
+    final, expected = (load_file(run.output_dir / "final" / "model.safetensors") for run in (resumed, two))
+    assert max((final[k] - expected[k]).abs().max().item() for k in final) < 1e-5
+    assert json.loads((output_dir / "checkpoints" / "step_4" / "trainer_state.json").read_text())["step"] == 4
+
+
+@pytest.mark.multiprocess
+def test_grpo_with_adapters_samples_as_the_base_at_first_and_exports(grpo_runs, tmp_path_factory, demo_assets,
+                                                                     partly_trained):  # fmt: skip
+    """LoRA under FSDP2, the KL penalty against the adapters switched off: at step 1 the adapters are zero, so the
+    completions (and their rewards) are the full run's; the adapter and the merged model are exported."""
+    one, _ = grpo_runs
+    lora = _grpo(
+        tmp_path_factory, demo_assets, partly_trained, "grpo_lora", 2,
+        **{"peft.r": 8, "peft.target_modules": "[all-linear]", "output.export_merged": "true", "train.max_steps": 2,
+           "train.eval_every_steps": 2},
+    )  # fmt: skip
+    rollout = ("reward", "reward_std", "completions/mean_length", "frac_reward_zero_std", "rewards/exact_match/mean")
+    first = {name: _per_step(one)[1][name] for name in rollout}
+    assert {name: _per_step(lora)[1][name] for name in rollout} == pytest.approx(first, rel=1e-5)
+    assert _per_step(lora)[2]["kl"] > 0
+    assert (lora.output_dir / "final" / "adapter_config.json").exists()
+    assert (lora.output_dir / "final_merged" / "model.safetensors").exists()
