@@ -207,9 +207,16 @@ class Bench:
         return _metrics(out / "metrics.jsonl")
 
     def finetune_command(
-        self, name: str, size: Size, config: str, processes: int = 2, launch_args: tuple[str, ...] = (), **overrides
+        self,
+        name: str,
+        size: Size,
+        config: str,
+        processes: int = 2,
+        launch_args: tuple[str, ...] = (),
+        recipe: Path = RECIPE,
+        **overrides,
     ) -> tuple[list[str], Path]:
-        """The launch of `finetune_run`, and the output folder it writes."""
+        """The launch of `finetune_run` (of the demo recipe, or `recipe`), and the output folder it writes."""
         out = self.work / "runs" / name
         values = {
             "model.name_or_path": self.model(size),
@@ -231,6 +238,6 @@ class Bench:
         command = [
             sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
             "--num_processes", str(processes), "--mixed_precision", "no", "--main_process_port", str(_free_port()),
-            *launch_args, "-m", "finetune", "train", str(RECIPE), *[f"{k}={v}" for k, v in values.items()],
+            *launch_args, "-m", "finetune", "train", str(recipe), *[f"{k}={v}" for k, v in values.items()],
         ]  # fmt: skip
         return command, out

@@ -8,7 +8,9 @@ to the reference, stripped) or `contains` (the reference appears in it).
 
 Under FSDP every forward gathers parameters from every process, so the processes decode in lock-step:
 transformers' `synced_gpus` keeps a process whose completions have all ended running forwards (their outputs
-discarded) until every process's have. Each process answers its share of the prompts (equal shares: the last
+discarded) until every process's have. Where nothing is gathered after the first forward (DDP, one process, or
+every unit's parameters kept gathered: `generating(model, gather_once=True)`), each process stops when its own
+completions have ended. Each process answers its share of the prompts (equal shares: the last
 prompt repeats where they do not divide, and is scored once); the scores are summed over processes, so a run
 reports the same numbers on any process count. Generation attends through SDPA with the padding mask (prompts are
 left-padded), whatever the training attention: the varlen path knows whole packed rows, not a growing cache; under
@@ -71,10 +73,10 @@ class GenerationEval:
         mine, real = equal_share(len(self.prompts), accelerator.num_processes, accelerator.process_index)
         scored = torch.zeros(3, dtype=torch.float64)  # correct, completion tokens, prompts scored
         model.eval()
-        with generating(model):
+        with generating(model) as lock_step:
             for start in range(0, len(mine), BATCH):
                 batch = mine[start : start + BATCH]
-                completions, lengths = self._complete(model, [self.prompts[i] for i in batch], accelerator)
+                completions, lengths = self._complete(model, [self.prompts[i] for i in batch], accelerator, lock_step)
                 for n, (i, completion, length) in enumerate(zip(batch, completions, lengths, strict=True)):
                     if start + n < real:
                         scored += torch.tensor([self._score(completion, self.prompts[i].reference), length, 1.0])
@@ -84,9 +86,11 @@ class GenerationEval:
         return {self.cfg.metric: correct / max(count, 1), "completion_tokens": tokens / max(count, 1)}
 
     def _complete(
-        self, model: torch.nn.Module, prompts: list[Prompt], accelerator: Accelerator
+        self, model: torch.nn.Module, prompts: list[Prompt], accelerator: Accelerator, lock_step: bool
     ) -> tuple[list[str], list[int]]:
-        completions = complete(model, [p.ids for p in prompts], self.tokenizer, accelerator, self.cfg.max_new_tokens)
+        completions = complete(
+            model, [p.ids for p in prompts], self.tokenizer, accelerator, self.cfg.max_new_tokens, lock_step=lock_step
+        )
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in completions]
         return texts, [len(ids) for ids in completions]
 
@@ -156,9 +160,11 @@ def complete(
     accelerator: Accelerator,
     max_new_tokens: int,
     sampling: Sampling | None = None,
+    lock_step: bool = True,
 ) -> list[list[int]]:
     """Each prompt's completion token ids, up to and including the token that ended it (or `max_new_tokens` of
-    them), greedy or sampled. Every process calls it together (lock-step decoding), inside `generating(model)`."""
+    them), greedy or sampled. Every process calls it together, inside `generating(model)`, whose value says
+    whether the processes must decode in `lock_step` (their forwards gather parameters)."""
     width = max(len(ids) for ids in prompts)
     pad = tokenizer.pad_token_id
     device = accelerator.device
@@ -175,7 +181,7 @@ def complete(
     generator = model.module if isinstance(model, DistributedDataParallel) else model
     output = generator.generate(
         input_ids=input_ids, attention_mask=mask, generation_config=settings, logits_processor=processors,
-        synced_gpus=accelerator.num_processes > 1,
+        synced_gpus=lock_step and accelerator.num_processes > 1,
     )  # fmt: skip
     completions = []
     for row in output[:, width:].tolist():
@@ -190,10 +196,11 @@ def ended(completion: list[int], tokenizer: PreTrainedTokenizerBase, model: torc
 
 
 @contextlib.contextmanager
-def generating(model: torch.nn.Module, gather_once: bool = False) -> Iterator[None]:
+def generating(model: torch.nn.Module, gather_once: bool = False) -> Iterator[bool]:
     """The model as generation needs it: SDPA with the padding mask, rows whole on every process; with
-    `gather_once`, every FSDP unit's parameters gathered by the first decoding step and kept until the end (one
-    all-gather per unit instead of one per unit and token). Then back as it was, parameters resharded."""
+    `gather_once`, every FSDP unit's parameters gathered by the first decoding step (the prompts' forward, which
+    every process runs) and kept until the end: one all-gather per unit instead of one per unit and token. Then
+    back as it was, parameters resharded. Yields whether decoding must go in lock-step (later forwards gather)."""
     inner = getattr(model, "module", model)
     implementation = inner.config._attn_implementation
     split = attention.current_sequence_group()
@@ -202,8 +209,9 @@ def generating(model: torch.nn.Module, gather_once: bool = False) -> Iterator[No
         inner.set_attn_implementation("sdpa")
     kept = _keep_gathered(model) if gather_once else None
     _gather_root(model)
+    sharded = any(isinstance(module, FSDPModule) for module in model.modules())
     try:
-        yield
+        yield sharded and not gather_once
     finally:
         if kept is not None:
             _restore_resharding(kept)

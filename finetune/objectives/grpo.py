@@ -280,8 +280,10 @@ class GRPO:
         sampling = Sampling(self.cfg.temperature, self.cfg.top_p, row_noise(seeds, self.cfg.max_new_tokens))
         was_training = model.training
         model.eval()
-        with torch.no_grad(), generating(model, gather_once=self.gather_once):
-            completions = complete(model, prompts, self.tokenizer, accelerator, self.cfg.max_new_tokens, sampling)
+        with torch.no_grad(), generating(model, gather_once=self.gather_once) as lock_step:
+            completions = complete(
+                model, prompts, self.tokenizer, accelerator, self.cfg.max_new_tokens, sampling, lock_step
+            )
         model.train(was_training)
         truncated = [not ended(c, self.tokenizer, model) for c in completions]
         per_function = self._score(micro_batches, completions, repeats=generations)
@@ -371,11 +373,12 @@ class GRPO:
         model.eval()
         sums = torch.zeros(2 + 2 * len(self.rewards), dtype=torch.float64)
         count = 0
-        with generating(model, gather_once=self.gather_once):
+        with generating(model, gather_once=self.gather_once) as lock_step:
             for batch in loader:
                 completions = complete(
-                    model, batch["prompt_ids"], self.tokenizer, accelerator, self.cfg.max_new_tokens
-                )
+                    model, batch["prompt_ids"], self.tokenizer, accelerator, self.cfg.max_new_tokens,
+                    lock_step=lock_step,
+                )  # fmt: skip
                 per_function = self._score([batch], completions, repeats=1)
                 reward = (per_function * self._weights).nansum(dim=1, keepdim=True)
                 length = torch.tensor([[len(c)] for c in completions], dtype=torch.float32)

@@ -1,0 +1,67 @@
+"""The TRL peer for online RL: `GRPOTrainer`, DDP, on the same model, prompts, group size and lengths.
+
+    torchrun --nproc_per_node 2 bench/trl_grpo.py MODEL_DIR PROMPTS.jsonl STEPS PROMPTS_PER_PROCESS GENERATIONS \
+        MAX_NEW_TOKENS OUT.json
+
+TRL at its best for CPU: generation by transformers with a KV cache (no vLLM, which does not run on CPU), the
+same exact-reversal reward, DAPO's loss (its default), beta 0 (no reference model), one update per rollout,
+dropout off (as finetune runs), fp32 and a constant learning rate as `peers.trainer_settings`. Its batch counts
+completions: PROMPTS_PER_PROCESS x GENERATIONS per process, a rollout per step. It writes the wall time of every
+optimizer step (generation included: TRL generates inside the step) and the prompts each step answered.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import datasets
+import torch
+import torch.distributed as dist
+from peers import close_ddp, trainer_settings, write_steps
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+
+def reversed_exactly(completions, answer, **kwargs) -> list[float]:
+    """1.0 when the completion is the answer (both stripped): the demo's exact-match reward."""
+    return [float(c[0]["content"].strip() == a.strip()) for c, a in zip(completions, answer, strict=True)]
+
+
+class StepClock(TrainerCallback):
+    def __init__(self):
+        self.step_seconds: list[float] = []
+        self.began = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.began = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_seconds.append(time.perf_counter() - self.began)
+
+
+def main(model_dir: str, prompts_path: str, steps: int, prompts: int, generations: int, new_tokens: int, out: str):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    data = datasets.load_dataset("json", data_files=prompts_path, split="train")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    settings = trainer_settings(out, prompts * generations, steps, 0)
+    del settings["max_length"]  # GRPO's lengths are max_completion_length (prompts are whole)
+    arguments = GRPOConfig(
+        **settings, learning_rate=1e-4, num_generations=generations, max_completion_length=new_tokens,
+        temperature=1.0, top_p=1.0, beta=0.0, loss_type="dapo", disable_dropout=True, log_completions=False,
+    )  # fmt: skip
+    clock = StepClock()
+    trainer = GRPOTrainer(
+        model=model, args=arguments, train_dataset=data, processing_class=tokenizer, reward_funcs=reversed_exactly,
+        callbacks=[clock],
+    )  # fmt: skip
+    trainer.train()
+    answered = [prompts * dist.get_world_size()] * len(clock.step_seconds)
+    write_steps(out, clock.step_seconds, prompts=answered)
+    del trainer, model  # before the process group goes (close_ddp)
+    close_ddp()
+
+
+if __name__ == "__main__":
+    model_dir, prompts_path, steps, prompts, generations, new_tokens, out = sys.argv[1:8]
+    main(model_dir, prompts_path, int(steps), int(prompts), int(generations), int(new_tokens), out)
