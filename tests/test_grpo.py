@@ -262,7 +262,11 @@ def grpo_runs(tmp_path_factory, demo_assets, partly_trained) -> tuple[LaunchedRu
 def _per_step(run: LaunchedRun) -> dict[int, dict[str, float]]:
     """What each step logged of its rollout and update (its speed and padding left out)."""
     timed = ("tokens_per_second", "step_seconds", "step", "fill")  # fill: padding, which the layout decides
-    return {m["step"]: {k: v for k, v in m.items() if k not in timed} for m in run.metrics() if "loss" in m}
+    return {
+        m["step"]: {k: v for k, v in m.items() if k not in timed and not k.startswith("generation/")}
+        for m in run.metrics()
+        if "loss" in m
+    }
 
 
 @pytest.mark.multiprocess
@@ -270,6 +274,8 @@ def test_grpo_samples_and_trains_the_same_on_one_process_and_two(grpo_runs):
     one, two = grpo_runs
     steps = _per_step(one)
     assert sorted(steps) == [1, 2, 3, 4] and all("reward" in steps[s] for s in (1, 3))  # a rollout every 2 steps
+    timed = [m for m in one.metrics() if "generation/seconds" in m]
+    assert [m["step"] for m in timed] == [1, 3] and all(m["generation/tokens_per_second"] > 0 for m in timed)
     assert "reward" not in steps[2] and steps[2]["clip_ratio/region_mean"] >= 0  # step 2 trains on step 1's
     for step, values in _per_step(two).items():  # the same completions, rewards and updates
         assert values == pytest.approx(steps[step], rel=1e-4, abs=1e-6), step
@@ -320,3 +326,35 @@ def test_grpo_with_adapters_samples_as_the_base_at_first_and_exports(grpo_runs, 
     assert _per_step(lora)[2]["kl"] > 0
     assert (lora.output_dir / "final" / "adapter_config.json").exists()
     assert (lora.output_dir / "final_merged" / "model.safetensors").exists()
+
+
+def test_prompts_are_tokenized_checked_and_kept_with_their_columns(demo_assets):
+    import datasets
+    from transformers import AutoTokenizer
+
+    from finetune.config import DataConfig
+    from finetune.data.prompt_only import PromptOnly
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_assets / "base")
+    rewards = build_rewards([RewardConfig(function="exact_match")])
+    samples = PromptOnly(8, lambda columns, where: check_columns(rewards, columns, where))
+    long = "reverse: " + " ".join("1234567890" * 3)
+    rows = [{"prompt": [{"role": "user", "content": "reverse: 1 2"}], "answer": "2 1"},
+            {"prompt": [{"role": "user", "content": long}], "answer": "long"}]  # fmt: skip
+    data = DataConfig(train_path="unused", max_length=24, packing=False)
+    with pytest.raises(FinetuneError, match="1 prompts of the training data .* are longer than data.max_length - rl"):
+        samples.prepare([(None, datasets.Dataset.from_list(rows))], tokenizer, data, seed=0)
+    kept, stats = samples.prepare(
+        [(None, datasets.Dataset.from_list(rows))], tokenizer, DataConfig(**{**vars(data), "truncation": "drop"}), 0
+    )
+    assert len(kept) == 1 and stats.num_too_long == 1 and "1 dropped as longer than the room" in stats.describe("x")
+    rendered = tokenizer.apply_chat_template(rows[0]["prompt"], tokenize=False, add_generation_prompt=True)
+    assert kept[0]["prompt_ids"] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    batch = samples.collate(data, tokenizer)([kept[0]])
+    assert batch["columns"] == {"prompt": [rows[0]["prompt"]], "answer": ["2 1"]} and batch[
+        "prompt_index"
+    ].tolist() == [0]
+    with pytest.raises(FinetuneError, match="compares with column 'answer', which the training data lacks"):
+        samples.prepare([(None, datasets.Dataset.from_list([{"prompt": "p", "solution": "s"}]))], tokenizer, data, 0)
+    with pytest.raises(FinetuneError, match="has no prompt column"):
+        samples.prepare([(None, datasets.Dataset.from_list([{"question": "p", "answer": "s"}]))], tokenizer, data, 0)

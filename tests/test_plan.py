@@ -115,3 +115,29 @@ def test_auto_checkpointing_takes_the_least_recomputation_that_fits():
     assert cheapest_policy(chosen, peaks["full"] - 1) == "full"  # the verdict says what else
     assert cheapest_policy(chosen, None) == "none"
     assert "(this run: auto, so selective)" in plan(recipe, launch, peaks["none"] - 1)
+
+
+def test_online_rl_plans_its_generation_phase():
+    """The rollout: KV cache for a step's completions, the model gathered once where it fits half of what the
+    sharded state leaves (else per layer), a decoding step's logits; gradients freed. Its peak counts in the
+    verdict where it exceeds training's."""
+    from finetune.plan import plan, planned_model
+
+    recipe = load_recipe(REPO / "recipes" / "qwen" / "qwen3-8b-grpo-math.yaml")
+    launch = read_launch(CONFIGS / "single_node.yaml", 8, 1)
+    shape = model_shape(planned_model(recipe))
+    chosen = estimate(shape, recipe, launch, launch.strategy)
+    rollout = chosen.generation
+    rows = recipe.train.micro_batch_size * recipe.rl.num_generations
+    assert rollout.kv_cache == rows * recipe.data.max_length * shape.layers * 2 * shape.kv_hidden * 2  # bf16
+    assert rollout.whole == shape.parameters * 2 and rollout.per_layer == chosen.gather_buffers
+    assert rollout.gathers_once(chosen, 80 * 2**30) and not rollout.gathers_once(chosen, 40 * 2**30)
+    report = plan(recipe, launch, 80 * 2**30)
+    assert f"generation (rl: {rows} completions a step): KV cache" in report
+    assert "the whole model gathered once per rollout" in report
+    assert "parameters gathered per layer at every token" in plan(recipe, launch, 40 * 2**30)
+    longer = load_recipe(
+        REPO / "recipes" / "qwen" / "qwen3-8b-grpo-math.yaml", ["train.gradient_accumulation_steps=64"]
+    )
+    crowded = estimate(shape, longer, launch, launch.strategy)  # a rollout of 1,024 completions outweighs a step
+    assert crowded.device_peak("full") == crowded.generation.total(crowded) > crowded.device_total("full")

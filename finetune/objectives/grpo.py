@@ -26,6 +26,7 @@ and the seed.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -151,14 +152,21 @@ class _Window:
     names: tuple[str, ...]
     sums: torch.Tensor = field(init=False)
     longest: float = 0.0
+    loss_sums: torch.Tensor | None = None
+    """The losses' token counts, on the device they are computed on: summed there, read once per log."""
+    generating_seconds: float = 0.0
+    """Wall time this process spent generating, and the rollouts it generated, since the last log."""
+    rollouts: int = 0
 
     # completions, their tokens, truncated ones, groups, groups all equal, reward sum, reward square sum,
-    # scored completions; per function: sum, square sum, scored; then trained tokens, low, high, KL sum.
+    # scored completions; per function: sum, square sum, scored. The losses': trained tokens, low, high, KL sum.
     def __post_init__(self) -> None:
-        self.sums = torch.zeros(8 + 3 * len(self.names) + 4, dtype=torch.float64)
+        self.sums = torch.zeros(8 + 3 * len(self.names), dtype=torch.float64)
 
     def add_rollout(self, rewards: torch.Tensor, per_function: torch.Tensor, lengths: list[int], truncated: list[bool],
-                    equal: torch.Tensor, num_generations: int) -> None:  # fmt: skip
+                    equal: torch.Tensor, num_generations: int, seconds: float) -> None:  # fmt: skip
+        self.generating_seconds += seconds
+        self.rollouts += 1
         scored = ~torch.isnan(rewards)
         values = [
             len(lengths), sum(lengths), sum(truncated), len(lengths) / num_generations,
@@ -174,22 +182,30 @@ class _Window:
     def add_losses(self, mask: torch.Tensor, losses: TokenLosses) -> None:
         kl = (losses.kl * mask).sum() if losses.kl is not None else mask.new_zeros(())
         values = torch.stack([mask.sum(), (losses.low_clipped * mask).sum(), (losses.high_clipped * mask).sum(), kl])
-        self.sums[-4:] += values.detach().double().cpu()
+        values = values.detach().double()
+        self.loss_sums = values if self.loss_sums is None else self.loss_sums + values
 
     def metrics(self, accelerator: Accelerator, beta: float) -> dict[str, float]:
-        sums = accelerator.reduce(self.sums.to(accelerator.device), "sum").cpu().tolist()
-        longest = torch.tensor(self.longest, device=accelerator.device)
+        device = accelerator.device
+        losses = self.loss_sums if self.loss_sums is not None else torch.zeros(4, dtype=torch.float64, device=device)
+        sums = accelerator.reduce(torch.cat([self.sums.to(device), losses.to(device)]), "sum").cpu().tolist()
+        # The longest completion, and the slowest process's generation (the others wait for it).
+        most = torch.tensor([self.longest, self.generating_seconds], device=device, dtype=torch.float64)
         if accelerator.num_processes > 1:
-            torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
+            torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        longest, seconds = most.tolist()
+        rollouts = self.rollouts
         self.sums.zero_()
-        self.longest = 0.0
+        self.longest, self.loss_sums, self.generating_seconds, self.rollouts = 0.0, None, 0.0, 0
         completions, tokens, truncated, groups, equal, total, squares, scored = sums[:8]
         values = {}
         if completions:  # a rollout since the last log (with num_iterations > 1, a step may train on an old one)
             values = {
                 "reward": total / max(scored, 1), "reward_std": _std(scored, total, squares),
                 "frac_reward_zero_std": equal / max(groups, 1), "completions/mean_length": tokens / completions,
-                "completions/max_length": longest.item(), "completions/clipped_ratio": truncated / completions,
+                "completions/max_length": longest, "completions/clipped_ratio": truncated / completions,
+                "generation/seconds": seconds / max(rollouts, 1),
+                "generation/tokens_per_second": tokens / max(seconds, 1e-9),
             }  # fmt: skip
         for n, name in enumerate(self.names if completions else ()):
             function_total, function_squares, function_scored = sums[8 + 3 * n : 11 + 3 * n]
@@ -280,18 +296,21 @@ class GRPO:
         sampling = Sampling(self.cfg.temperature, self.cfg.top_p, row_noise(seeds, self.cfg.max_new_tokens))
         was_training = model.training
         model.eval()
+        began = time.perf_counter()
         with torch.no_grad(), generating(model, gather_once=self.gather_once) as lock_step:
             completions = complete(
                 model, prompts, self.tokenizer, accelerator, self.cfg.max_new_tokens, sampling, lock_step
             )
         model.train(was_training)
+        seconds = time.perf_counter() - began
         truncated = [not ended(c, self.tokenizer, model) for c in completions]
         per_function = self._score(micro_batches, completions, repeats=generations)
         moments = lambda values: accelerator.reduce(values.to(accelerator.device), "sum").cpu()  # noqa: E731
         advantage, rewards, equal = advantages(
             per_function, self._weights, generations, self.cfg.scale_rewards, moments
         )
-        self.window.add_rollout(rewards, per_function, [len(c) for c in completions], truncated, equal, generations)
+        lengths = [len(c) for c in completions]
+        self.window.add_rollout(rewards, per_function, lengths, truncated, equal, generations, seconds)
         batches, start = [], 0
         for batch in micro_batches:
             rows = len(batch["prompt_ids"]) * generations
