@@ -62,7 +62,14 @@ from finetune.model import (
     model_folder,
 )
 from finetune.model_files import save_model_files
-from finetune.objectives import BuildContext, Objective, ObjectiveBuilder, WithBalancingLoss, objective_for
+from finetune.objectives import (
+    BuildContext,
+    Objective,
+    ObjectiveBuilder,
+    WithBalancingLoss,
+    objective_for,
+    with_rollout,
+)
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.outputs import check_output_dir
 from finetune.recompute import Policy, offload_layer_inputs, recompute_policy
@@ -304,6 +311,7 @@ def setup_objective(
         sp.group if sp is not None else None,
     )  # fmt: skip
     objective, write_files = builder.build(context)
+    objective = with_rollout(objective)
     if balancing is not None:
         objective = WithBalancingLoss(objective, balancing)
     return objective, routing_line, write_files

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GRPO", "WithBalancingLoss", "BuildContext", "Objective", "ObjectiveBuilder", "Preference", "Supervised",
-    "objective_for",
+    "objective_for", "with_rollout",
 ]  # fmt: skip
 
 
@@ -112,6 +112,28 @@ class ObjectiveBuilder(Protocol):
     def build(self, context: BuildContext) -> tuple[Objective, Callable[[], None]]:
         """The objective, and what writes its files into the output dir once that is claimed (main process)."""
         ...
+
+
+@dataclass(frozen=True)
+class AsLoaded:
+    """An objective without `rollout` and `steps_per_window` (one of your own written before online RL added
+    them): it trains on the micro-batches as loaded, each window for one step; everything else is its own."""
+
+    inner: Objective
+    steps_per_window: int = 1
+
+    def rollout(
+        self, model: torch.nn.Module, micro_batches: list[Batch], step: int, accelerator: Accelerator
+    ) -> list[Batch]:
+        return micro_batches
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def with_rollout(objective: Objective) -> Objective:
+    """The objective as the loop asks it, `rollout` and `steps_per_window` included."""
+    return objective if hasattr(objective, "rollout") else AsLoaded(objective)
 
 
 def objective_for(recipe: RecipeConfig) -> ObjectiveBuilder:

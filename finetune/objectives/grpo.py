@@ -285,7 +285,7 @@ class GRPO:
         self, model: torch.nn.Module, micro_batches: list[Batch], step: int, accelerator: Accelerator
     ) -> list[Batch]:
         """The step's micro-batches of prompts answered, scored and made micro-batches of completions (collective:
-        every process generates in lock-step). A rollout trained on again (num_iterations) is returned as it was."""
+        every process generates at once). A rollout trained on again (num_iterations) is returned as it was."""
         first_step = step - (step - 1) % self.cfg.num_iterations
         if self.cached is not None and self.cached[0] == first_step:
             return self.cached[1]
