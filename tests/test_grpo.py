@@ -284,9 +284,12 @@ def test_grpo_samples_and_trains_the_same_on_one_process_and_two(grpo_runs):
     first, second = (load_file(run.output_dir / "final" / "model.safetensors") for run in grpo_runs)
     assert max((first[k] - second[k]).abs().max().item() for k in first) < 1e-5
     evaluated = [m for m in two.metrics() if "eval_reward" in m]
-    assert evaluated and {"eval_rewards/exact_match", "eval_completion_tokens", "eval_exact_match"} <= set(
+    assert evaluated and {"eval_rewards/exact_match", "eval_completions/mean_length", "eval_exact_match"} <= set(
         evaluated[0]
     )
+    assert evaluated[0]["eval_completions/mean_length"] <= 16  # rl.max_new_tokens, not eval.generate's 24
+    (one_evaluated,) = [m for m in one.metrics() if "eval_reward" in m]
+    assert one_evaluated == pytest.approx(evaluated[0])  # every prompt once, on any process count
     assert "generation: parameters gathered once per rollout" in two.log
     assert "(rl.beta > 0: the initial weights)" in two.log and "16 prompts per step" not in two.log
     assert "8 prompts per step" in two.log or "= 8 prompts" in two.log

@@ -409,7 +409,8 @@ class GRPO:
                 count += rows.shape[0]
         model.train()
         total, length, *per_function = (sums / max(count, 1)).tolist()
-        values = {"reward": total, "completion_tokens": length}
+        # Named as the rollouts' length, apart from eval.generate's completion_tokens (its own prompts and limit).
+        values = {"reward": total, "completions/mean_length": length}
         functions = len(self.rewards)
         scored_share = per_function[functions:]
         for reward, mean, share in zip(self.rewards, per_function[:functions], scored_share, strict=True):
