@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -98,40 +99,33 @@ def _write_pairs(data_dir: Path) -> None:
     """Preference pairs for `make demo-dpo` (pairs_train.jsonl, pairs_eval.jsonl), from the train and eval
     lists: the correct reversal preferred over a near miss (two neighbouring digits of it swapped)."""
     rng = random.Random(99)
-    for name in ("train", "eval"):
-        target = data_dir / f"pairs_{name}.jsonl"
-        if target.exists():
-            continue
-        lines = []
-        for line in (data_dir / f"{name}.jsonl").read_text().splitlines():
-            user, reply = json.loads(line)["messages"]
-            digits = reply["content"].split()
-            wrong = list(digits)
-            i = rng.randrange(len(wrong) - 1)
-            wrong[i], wrong[i + 1] = wrong[i + 1], wrong[i]
-            if wrong == digits:  # equal neighbours: change one digit instead
-                wrong[i] = str((int(wrong[i]) + 1) % 10)
-            pair = {
-                "prompt": [user],
-                "chosen": [reply],
-                "rejected": [{"role": "assistant", "content": " ".join(wrong)}],
-            }
-            lines.append(json.dumps(pair) + "\n")
-        target.write_text("".join(lines))
+
+    def pair(user: dict, reply: dict) -> dict:
+        digits = reply["content"].split()
+        wrong = list(digits)
+        i = rng.randrange(len(wrong) - 1)
+        wrong[i], wrong[i + 1] = wrong[i + 1], wrong[i]
+        if wrong == digits:  # equal neighbours: change one digit instead
+            wrong[i] = str((int(wrong[i]) + 1) % 10)
+        return {"prompt": [user], "chosen": [reply], "rejected": [{"role": "assistant", "content": " ".join(wrong)}]}
+
+    _derive(data_dir, "pairs", pair)
 
 
 def _write_prompts(data_dir: Path) -> None:
     """Prompts for `make demo-grpo` (prompts_train.jsonl, prompts_eval.jsonl), TRL's prompt-only layout: each list's
     request as the prompt, its reversal as the `answer` the exact-match reward compares with."""
+    _derive(data_dir, "prompts", lambda user, reply: {"prompt": [user], "answer": reply["content"]})
+
+
+def _derive(data_dir: Path, prefix: str, sample: Callable[[dict, dict], dict]) -> None:
+    """`<prefix>_train.jsonl` and `<prefix>_eval.jsonl`, a sample made of each conversation's user and assistant
+    messages; a file already there is kept."""
     for name in ("train", "eval"):
-        target = data_dir / f"prompts_{name}.jsonl"
-        if target.exists():
-            continue
-        lines = []
-        for line in (data_dir / f"{name}.jsonl").read_text().splitlines():
-            user, reply = json.loads(line)["messages"]
-            lines.append(json.dumps({"prompt": [user], "answer": reply["content"]}) + "\n")
-        target.write_text("".join(lines))
+        target = data_dir / f"{prefix}_{name}.jsonl"
+        if not target.exists():
+            conversations = [json.loads(line)["messages"] for line in (data_dir / f"{name}.jsonl").open()]
+            target.write_text("".join(json.dumps(sample(user, reply)) + "\n" for user, reply in conversations))
 
 
 def _train_tokenizer(examples: list[dict]) -> PreTrainedTokenizerFast:

@@ -15,7 +15,6 @@ Imports and signatures are checked before anything loads; the columns a reward r
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import re
@@ -26,7 +25,7 @@ from typing import Any
 import torch
 
 from finetune.config import RewardConfig
-from finetune.errors import FinetuneError, first_line
+from finetune.errors import FinetuneError, first_line, imported
 
 ARGUMENTS = ("prompts", "completions", "completion_ids")
 """What every reward function is given besides the data's columns."""
@@ -144,18 +143,7 @@ def _regex(pattern: str) -> Callable[..., list[float]]:
 
 
 def _imported(name: str) -> Callable[..., Sequence[float | None]]:
-    module, _, attribute = name.partition(":")
-    try:
-        found = importlib.import_module(module)
-        for part in attribute.split("."):
-            found = getattr(found, part)
-    except (ImportError, AttributeError) as exc:
-        raise FinetuneError(
-            f"rl.rewards: {name} cannot be imported ({first_line(exc)}); name a module on the Python path and a "
-            "function in it as module:function"
-        ) from None
-    if not callable(found):
-        raise FinetuneError(f"rl.rewards: {name} is not callable; name a function as module:function")
+    found = imported(name, "rl.rewards", "a function")
     try:
         parameters = inspect.signature(found).parameters.values()
     except (TypeError, ValueError):

@@ -162,7 +162,7 @@ def test_rewards_built_in_and_imported():
 @pytest.mark.parametrize(
     ("function", "message"),
     [
-        ("no_such_module:reward", "rl.rewards: no_such_module:reward cannot be imported"),
+        ("no_such_module:reward", "rl.rewards=no_such_module:reward cannot be imported"),
         ("test_grpo:missing", "cannot be imported"),
         ("test_grpo:positional_reward", "a reward function is called with keyword arguments"),
         ("test_grpo:GRPO_RECIPE", "is not callable"),

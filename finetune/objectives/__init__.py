@@ -23,7 +23,6 @@ all micro-batches and processes), so any split of the same global batch gives th
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from transformers import PreTrainedTokenizerBase
 
 from finetune.batch import Batch
 from finetune.config import RecipeConfig
-from finetune.errors import FinetuneError, first_line
+from finetune.errors import imported
 from finetune.objectives.balanced import WithBalancingLoss
 from finetune.objectives.grpo import GRPO, GRPOBuilder
 from finetune.objectives.preference import Preference, PreferenceBuilder
@@ -150,14 +149,4 @@ def objective_for(recipe: RecipeConfig) -> ObjectiveBuilder:
 
 
 def _imported(name: str) -> Callable[[RecipeConfig], ObjectiveBuilder]:
-    module, _, attribute = name.partition(":")
-    try:
-        found = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError) as exc:
-        raise FinetuneError(
-            f"train.objective={name} cannot be imported ({first_line(exc)}); name a module on the Python path and "
-            "a callable in it as module:attribute"
-        ) from None
-    if not callable(found):
-        raise FinetuneError(f"train.objective={name} is not callable; name a function or class as module:attribute")
-    return found
+    return imported(name, "train.objective", "a function or class")
