@@ -3,7 +3,8 @@
     torchrun --nproc_per_node 2 bench/trl_grpo.py MODEL_DIR PROMPTS.jsonl STEPS PROMPTS_PER_PROCESS GENERATIONS \
         MAX_NEW_TOKENS OUT.json
 
-TRL at its best for CPU: generation by transformers with a KV cache (no vLLM, which does not run on CPU), the
+TRL at its best for CPU: generation by transformers with a KV cache (no vLLM, which does not run on CPU; its
+continuous batching, `use_transformers_paged=True`, took 13.5 s a step against 1.3 s without on this bench), the
 same exact-reversal reward, DAPO's loss (its default), beta 0 (no reference model), one update per rollout,
 dropout off (as finetune runs), fp32 and a constant learning rate as `peers.trainer_settings`. Its batch counts
 completions: PROMPTS_PER_PROCESS x GENERATIONS per process, a rollout per step. It writes the wall time of every
