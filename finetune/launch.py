@@ -307,11 +307,17 @@ def recipe_launch_problems(
             "adapters (peft) do not support rank-0 loading yet; set fsdp_cpu_ram_efficient_loading: false in the "
             "accelerate config"
         )
+    # FSDP1 gathers the root's parameters in its wrapper's forward, which transformers' generate goes around (a
+    # crash at the first evaluation, measured: "'weight' must be 2-D").
     if recipe.rl is not None and fsdp_version == 1:
-        # FSDP1 gathers the root's parameters in its wrapper's forward, which transformers' generate goes around.
         problems.append(
             "online RL (rl) generates under FSDP2, DDP or one process, not FSDP1; launch with "
             "accelerate_configs/fsdp2_full_shard.yaml (or another FSDP2 config)"
+        )
+    elif recipe.eval.generate is not None and fsdp_version == 1:
+        problems.append(
+            "eval.generate answers prompts under FSDP2, DDP or one process, not FSDP1; launch with "
+            "accelerate_configs/fsdp2_full_shard.yaml (or another FSDP2 config), or set eval.generate=null"
         )
     sharded = fsdp_version == 2 and state_dict_type.upper() == "SHARDED_STATE_DICT"
     if recipe.checkpoint.async_save and (not sharded or recipe.peft is not None):

@@ -170,6 +170,7 @@ def test_settings_that_would_have_no_effect_are_refused(tmp_path, overrides, mes
     ("config", "overrides", "message"),
     [
         ("fsdp1_full_shard.yaml", ["peft.r=8"], "adapters \\(peft\\) train under FSDP2, DDP or one process, not"),
+        ("fsdp1_full_shard.yaml", [], "eval.generate answers prompts under FSDP2, DDP or one process, not FSDP1"),
         ("single_node.yaml", ["peft.r=8"], "adapters \\(peft\\) do not support rank-0 loading yet"),
         ("ddp.yaml", ["checkpoint.async_save=true"], "checkpoint.async_save needs full fine-tuning under FSDP2"),
         ("fsdp2_shard_grad_op.yaml", ["checkpoint.async_save=true"], "with fsdp_state_dict_type: SHARDED_STATE_DICT"),
