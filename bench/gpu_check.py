@@ -12,6 +12,8 @@ capped and skipped with a line once too little of the budget is left for it:
    PYTHONPATH, then one line: GPU, torch, CUDA and the packages' versions;
 2. test-gpu: the tests marked `cuda` (`make test-gpu`);
 3. demo: the offline demo trained on one GPU (single_gpu.yaml, 1 process), its wall time and exact match;
+   grpo: the demo's second stage by online RL (make demo-grpo) on one GPU: its wall time, generation
+   tokens/s, step seconds, and the exact match before and after;
 4. bench: bench/gpu.py's best-known variant (chunked loss, varlen attention), with and without regional
    compilation, at micro-batch 8 and 16: tokens/s, MFU, fill and peak memory; each launch records one late
    step with the torch profiler (left out of its rates), which costs no launch of its own;
@@ -134,6 +136,7 @@ def main() -> None:
         ("environment", 90, 5, lambda c, s, cap: environment(c, s, cap, args.wheels)),
         ("test-gpu", 150, 30, tests),
         ("demo", 120, 30, demo),
+        ("grpo", 120, 45, grpo),
         ("bench", 300, 60, bench),
         ("profile", 10, 1, profile),
         ("long-context", 240, 90, long_context),
@@ -214,21 +217,9 @@ def demo(check: Check, step: Step, cap: float) -> None:
     if not _ended(step, returncode, cap, "demo build"):
         return
     run = root / "run"
-    overrides = {
-        "model.name_or_path": root / "base",
-        "data.train_path": root / "data" / "train.jsonl",
-        "data.eval_path": root / "data" / "eval.jsonl",
-        "output.dir": run,
-        "output.trackers": "[]",
-        # CPU form: a few steps show the command works; the 300 steps are the GPU's to time.
-        **({} if check.gpu else {"train.max_steps": 10, "train.eval_every_steps": 5, "optim.warmup_steps": 2}),
-    }
-    train = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-        str(REPO / "accelerate_configs" / "single_gpu.yaml"), "--num_processes", "1", "--mixed_precision", "no",
-        "-m", "finetune", "train", str(REPO / "recipes" / "demo" / "tiny_llama.yaml"),
-        *[f"{key}={value}" for key, value in overrides.items()],
-    ]  # fmt: skip
+    # CPU form: a few steps show the command works; the 300 steps are the GPU's to time.
+    short = {} if check.gpu else {"train.max_steps": 10, "train.eval_every_steps": 5, "optim.warmup_steps": 2}
+    train = _demo_train("tiny_llama.yaml", root, run, short)
     start = time.monotonic()
     returncode, output = check.run(train, "demo.log", deadline - time.monotonic())
     step.lines.append(f"training: {time.monotonic() - start:.1f} s wall ({_last_line(output, 'step')})")
@@ -238,6 +229,74 @@ def demo(check: Check, step: Step, cap: float) -> None:
     returncode, output = check.run(report, "demo.log", deadline - time.monotonic())
     step.lines += [line.strip() for line in output.splitlines() if "exact match" in line or "%)" in line]
     _ended(step, returncode, cap, "demo report")
+
+
+def grpo(check: Check, step: Step, cap: float) -> None:
+    """`make demo-grpo` on one device: the demo's reverser trained 40 steps, then GRPO with the exact-reversal
+    reward; its wall time, generation and step rates, and exact match before and after (from the runs' logs)."""
+    deadline = time.monotonic() + cap
+    root = check.work / "demo"
+    if not (root / "data" / "prompts_train.jsonl").exists():
+        build = [sys.executable, "-m", "finetune", "demo", "build", "--dir", str(root)]
+        if not _ended(step, check.run(build, "demo.log", cap)[0], cap, "demo build"):
+            return
+    partial, run = root / "run-partial", root / "run-grpo"
+    steps = 40 if check.gpu else 4
+    first = _demo_train("tiny_llama.yaml", root, partial, {"train.max_steps": steps, "train.eval_every_steps": steps})
+    returncode, _ = check.run(first, "demo.log", deadline - time.monotonic())
+    if not _ended(step, returncode, cap, "the partly trained reverser"):
+        return
+    data = {
+        "data.train_path": root / "data" / "prompts_train.jsonl",
+        "data.eval_path": root / "data" / "prompts_eval.jsonl",
+    }
+    short = {
+        "train.max_steps": 2,
+        "train.eval_every_steps": 2,
+        "train.log_every_steps": 1,
+        "eval.generate.samples": 16,
+    }
+    short = {} if check.gpu else short
+    second = _demo_train("tiny_llama_grpo.yaml", root, run, {**data, **short}, base=partial / "final")
+    start = time.monotonic()
+    returncode, _ = check.run(second, "demo.log", deadline - time.monotonic())
+    seconds = time.monotonic() - start
+    if not _ended(step, returncode, cap, "GRPO training"):
+        return
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rates = sorted(row["generation/tokens_per_second"] for row in logged if "generation/tokens_per_second" in row)
+    step_seconds = sorted(row["step_seconds"] for row in logged if "step_seconds" in row)
+    rewards = [row["reward"] for row in logged if "reward" in row]
+    before = _last_logged(partial / "metrics.jsonl", "eval_exact_match")
+    after = _last_logged(run / "metrics.jsonl", "eval_exact_match")
+    step.lines += [
+        f"training: {seconds:.1f} s wall, {len(step_seconds)} logged windows, median step "
+        f"{step_seconds[len(step_seconds) // 2]:.3f} s, generation {rates[len(rates) // 2]:.0f} tokens/s (median)",
+        f"reward (training batches): first window {rewards[0]:.3f}, last {rewards[-1]:.3f}",
+        f"exact match on the held-out lists: before {before:.3f}, after {after:.3f}",
+    ]
+
+
+def _demo_train(recipe: str, root: Path, run: Path, overrides: dict, base: Path | None = None) -> list[str]:
+    """The command that trains a demo recipe on one device (single_gpu.yaml, 1 process, fp32) into `run`."""
+    overrides = {
+        "model.name_or_path": base or root / "base",
+        "data.train_path": root / "data" / "train.jsonl",
+        "data.eval_path": root / "data" / "eval.jsonl",
+        "output.dir": run,
+        "output.trackers": "[]",
+        **overrides,
+    }
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+        str(REPO / "accelerate_configs" / "single_gpu.yaml"), "--num_processes", "1", "--mixed_precision", "no",
+        "-m", "finetune", "train", str(REPO / "recipes" / "demo" / recipe),
+        *[f"{key}={value}" for key, value in overrides.items()],
+    ]  # fmt: skip
+
+
+def _last_logged(metrics: Path, key: str) -> float:
+    return [row[key] for row in map(json.loads, metrics.read_text().splitlines()) if key in row][-1]
 
 
 def bench(check: Check, step: Step, cap: float) -> None:

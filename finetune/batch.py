@@ -23,10 +23,17 @@ class Batch(TypedDict, total=False):
     """Padded rows: 1 on real tokens. Packed rows carry none (an all-ones mask would turn the block-causal one off)."""
     position_ids: torch.Tensor
     """Packed rows: positions restarting at each sample, so attention and RoPE see samples apart."""
+    segment_ids: torch.Tensor
+    """Online RL's shared rows: 0 on the prompt, n on its n-th completion, -1 on padding (`finetune.data.rollout`);
+    the model is given the mask they make, not `attention_mask`, which keeps marking real tokens for the rest."""
     cu_seq_lens: torch.Tensor
     """Packed rows: cumulative sample lengths over the rows flattened, for the varlen attention path."""
     kept_index: torch.Tensor
     """The positions with a target, rows flattened: found on the host, where the device would stall the host."""
+    kept_targets: torch.Tensor
+    """The target of each `kept_index`, where a position predicts several tokens and `target_ids` cannot say so
+    (online RL's shared rows: a prompt's last token predicts each completion's first); such batches have no
+    `target_ids`."""
     row_tokens: torch.Tensor
     """Real tokens per row; `num_tokens`, their sum."""
     num_tokens: torch.Tensor

@@ -107,6 +107,8 @@ def model_inputs(model: torch.nn.Module, batch: Batch) -> dict[str, Any]:
     samples without a word. The rows' boundaries are restarts too, so one row of all of them attends
     exactly as the rows did; the loss reads the outputs in the same order."""
     inputs: dict[str, Any] = {key: value for key, value in batch.items() if key in MODEL_INPUTS}
+    if "segment_ids" in batch:  # a prompt shared by its completions' segments (SDPA; finetune.data.rollout)
+        return inputs | {"attention_mask": attention.shared_prompt_mask(batch["segment_ids"])}
     packed = "position_ids" in inputs and "attention_mask" not in inputs
     implementation = _attention_implementation(model)
     if packed and implementation == attention.NAME:
@@ -291,16 +293,15 @@ def token_logps(model: torch.nn.Module, batch: Batch, path: LossPath, temperatur
     log-probability is weighted by what it feeds (a preference or policy loss is not a sum of token losses),
     its backward recomputes a chunk's logits instead of keeping gradients from the forward."""
     inputs = model_inputs(model, batch)
-    targets = batch["target_ids"]
     kept = target_positions(batch)
+    kept_targets = batch.get("kept_targets")  # a position may predict several tokens (online RL's shared rows)
+    if kept_targets is None:
+        kept_targets = batch["target_ids"].reshape(-1).index_select(0, kept)
     if path == "full_logits":
         logits = model(**inputs, use_cache=False).logits
-        per_position = -F.cross_entropy(
-            logits.float().flatten(0, 1) / temperature, targets.flatten(), ignore_index=IGNORE, reduction="none"
-        )
-        return per_position.index_select(0, kept)
+        kept_logits = logits.flatten(0, 1).index_select(0, kept).float() / temperature
+        return -F.cross_entropy(kept_logits, kept_targets, reduction="none")
     head = output_head(model)
-    kept_targets = targets.reshape(-1).index_select(0, kept)
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, kept)

@@ -124,11 +124,14 @@ def test_gpu_check_dry_runs_every_step_in_its_cpu_form(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "gpu-check: no GPU: dry run" in result.stdout and summary["mode"] == "no GPU: dry run"
     steps = {step["name"]: step for step in summary["steps"]}
-    assert list(steps) == ["environment", "test-gpu", "demo", "bench", "profile", "long-context"]
+    assert list(steps) == ["environment", "test-gpu", "demo", "grpo", "bench", "profile", "long-context"]
     assert all(step["status"] == "passed" for step in steps.values()), summary
     assert "torch " in steps["environment"]["lines"][-1] and "transformers " in steps["environment"]["lines"][-1]
     assert "tests collected" in steps["test-gpu"]["lines"][0]
     assert any("fine-tuned (exported)" in line and "/200" in line for line in steps["demo"]["lines"])
+    # The GRPO demo's CPU form: a partly trained reverser, 2 GRPO steps, their rates and exact match from the logs.
+    assert steps["grpo"]["lines"][0].startswith("training: ") and "generation " in steps["grpo"]["lines"][0]
+    assert steps["grpo"]["lines"][2].startswith("exact match on the held-out lists: before ")
     assert [line.split(":")[0] for line in steps["bench"]["lines"]] == [
         "chunked loss, varlen attention, micro-batch 8", "chunked loss, varlen attention, micro-batch 16"
     ]  # fmt: skip

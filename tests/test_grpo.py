@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from helpers import REPO, LaunchedRun, launch
+from helpers import REPO, LaunchedRun, launch, tiny_config
 from safetensors.torch import load_file
 
 from finetune.config import RewardConfig, RLConfig, load_recipe
@@ -227,6 +227,55 @@ def test_seeded_sampling_does_not_depend_on_the_batch(demo_assets):
         greedy_alone = [complete(model, [p], tokenizer, accelerator, 12)[0] for p in prompts]
     assert together == alone and greedy == greedy_alone  # left padding changes nothing a row sees
     assert reseeded != together  # the seed is what decides
+
+
+# ---- Shared rows: a prompt once, its completions after it, the same log-probabilities and gradients as a row each.
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("path", ["chunked", "full_logits"])
+def test_shared_rows_train_what_separate_rows_train(model_type, path):
+    from transformers import AutoModelForCausalLM
+
+    from finetune.data.pack import with_host_indices
+    from finetune.data.rollout import separate_rows, shared_rows
+    from finetune.loss import token_logps
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="sdpa").double()
+    lengths = [(5, [3, 1, 6]), (2, [4, 4, 2]), (9, [1, 7, 3])]  # prompts of 2 to 9 tokens, 3 completions each
+    prompts, completions = [], []
+    for prompt_length, completion_lengths in lengths:
+        prompt = torch.randint(1, 128, (prompt_length,)).tolist()
+        for length in completion_lengths:
+            prompts.append(prompt)
+            completions.append(torch.randint(1, 128, (length,)).tolist())
+    weights = torch.randn(sum(len(c) for c in completions), dtype=torch.float64)
+    results = []
+    for rows in (separate_rows(prompts, completions, 0), shared_rows(prompts, completions, 3, 0)):
+        model.zero_grad()
+        logps = token_logps(model, with_host_indices(dict(rows)), path, temperature=0.7)
+        (logps.double() * weights).sum().backward()
+        results.append((logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (separate, separate_grads), (shared, shared_grads) = results
+    assert shared.shape == (sum(len(c) for c in completions),)
+    torch.testing.assert_close(shared, separate, rtol=1e-9, atol=1e-9)
+    for name, grad in separate_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-5, atol=1e-6)  # logps in fp32
+    shared_layout = shared_rows(prompts, completions, 3, 0)
+    assert shared_layout["input_ids"].shape == (3, 9 + 8)  # the widest: a prompt of 9, completions of 1, 7, 3 less 1
+
+
+def test_shared_rows_are_chosen_when_they_cost_less():
+    from transformers import AutoModelForCausalLM
+
+    from finetune.data.rollout import shared_pays
+    from finetune.flops import model_flops
+
+    flops = model_flops(AutoModelForCausalLM.from_config(tiny_config("llama")))
+    prompt = list(range(1, 41))
+    assert shared_pays(flops, [prompt] * 8, [[7] * 30] * 8, 8)  # 8 short completions of a long prompt
+    assert not shared_pays(flops, [prompt[:4]] * 8, [[7] * 3000] * 8, 8)  # long ones: the square outgrows them
 
 
 # ---- Real runs: GRPO from a partly trained demo model on 1 process and 2, and resumed elastically between

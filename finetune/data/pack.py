@@ -99,7 +99,8 @@ def with_host_indices(batch: Batch) -> Batch:
     stalls the host until the GPU catches up: `kept_index`, the positions with a target in the rows flattened
     (finetune.loss); for packed rows `cu_seq_lens`, where each sample starts in them and their end (the varlen
     path's boundaries, finetune.attention). Computed here, on the host, as the batch is collated."""
-    batch["kept_index"] = kept_positions(batch["target_ids"])
+    if "kept_index" not in batch:  # where a collator knows better (a position with several targets), its own
+        batch["kept_index"] = kept_positions(batch["target_ids"])
     if "position_ids" in batch:
         batch["cu_seq_lens"] = cumulative_lengths(batch["position_ids"])
     return batch

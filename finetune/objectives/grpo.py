@@ -36,10 +36,12 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from finetune.batch import IGNORE, Batch
+from finetune.batch import Batch
 from finetune.config import RLConfig
 from finetune.data.pack import with_host_indices
 from finetune.data.prompt_only import PromptOnly
+from finetune.data.rollout import separate_rows, shared_pays, shared_rows
+from finetune.flops import ModelFlops, model_flops
 from finetune.generation import Sampling, complete, ended, generating, row_noise
 from finetune.loss import LossPath, token_logps
 from finetune.model import disable_dropout
@@ -241,6 +243,9 @@ class GRPO:
     reference_model: torch.nn.Module | None = None
     gather_once: bool = True
     """Generation keeps every layer's parameters gathered from the first decoding step to the last."""
+    shared_rows: ModelFlops | None = None
+    """The model's FLOPs, where its attention takes a shared prompt's mask (SDPA): micro-batches whose
+    completions share their prompt's row when that costs less (`finetune.data.rollout`); None: a row each."""
     window: _Window = field(init=False)
     cached: tuple[int, list[Batch]] | None = None
     """The rollout trained on again (num_iterations > 1): the step it was sampled at, and its micro-batches."""
@@ -346,23 +351,20 @@ class GRPO:
     def _completion_batch(
         self, prompts: list[list[int]], completions: list[list[int]], advantage: torch.Tensor, truncated: list[bool]
     ) -> Batch:
-        """Rows of prompt + completion, right-padded; the completion's tokens are the targets."""
-        width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
-        pad = self.tokenizer.pad_token_id
-        input_ids, target_ids, mask, token_sequence, token_mask = [], [], [], [], []
-        for n, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
-            ids = prompt + completion
-            padding = width - len(ids)
-            input_ids.append(ids + [pad] * padding)
-            target_ids.append([IGNORE] * (len(prompt) - 1) + completion + [IGNORE] * (padding + 1))
-            mask.append([1] * len(ids) + [0] * padding)
-            token_sequence += [n] * len(completion)
-            token_mask += [0.0 if self.cfg.mask_truncated and truncated[n] else 1.0] * len(completion)
+        """The completions as training rows (`finetune.data.rollout`): each prompt shared by its completions where
+        the model's attention takes the mask and it saves work, else a row per completion; the completions' tokens
+        are the targets, in the same order either way."""
+        pad, group = self.tokenizer.pad_token_id, self.cfg.num_generations
+        if self.shared_rows is not None and shared_pays(self.shared_rows, prompts, completions, group):
+            rows = shared_rows(prompts, completions, group, pad)
+        else:
+            rows = separate_rows(prompts, completions, pad)
+        token_sequence = [n for n, completion in enumerate(completions) for _ in completion]
+        masked = [self.cfg.mask_truncated and cut for cut in truncated]
+        token_mask = [0.0 if masked[n] else 1.0 for n in token_sequence]
         batch: Batch = {
-            "input_ids": torch.tensor(input_ids), "target_ids": torch.tensor(target_ids),
-            "attention_mask": torch.tensor(mask), "num_tokens": torch.tensor(sum(map(sum, mask))),
-            "advantages": advantage.float(), "token_sequence": torch.tensor(token_sequence),
-            "token_mask": torch.tensor(token_mask),
+            **rows, "num_tokens": rows["attention_mask"].sum(), "advantages": advantage.float(),
+            "token_sequence": torch.tensor(token_sequence), "token_mask": torch.tensor(token_mask),
         }  # fmt: skip
         return with_host_indices(batch)
 
@@ -441,11 +443,19 @@ class GRPOBuilder:
 
     def build(self, context: BuildContext) -> tuple[GRPO, Callable[[], None]]:
         accelerator = context.accelerator
-        once, line = _gather_once(accelerator.unwrap_model(context.model), accelerator)
+        model = accelerator.unwrap_model(context.model)
+        once, line = _gather_once(model, accelerator)
         accelerator.print(line)
+        # SDPA takes the shared rows' mask as it is; the varlen and flash kernels take sample boundaries only.
+        implementation = model.config._attn_implementation
+        sdpa = implementation == "sdpa"
+        accelerator.print(
+            "rollout rows: each prompt once, shared by its completions, where that costs less"
+            if sdpa else f"rollout rows: one per completion ({implementation} attention takes no shared prompt's mask)"
+        )  # fmt: skip
         objective = GRPO(
             self.cfg, context.loss_path, self.rewards, context.tokenizer, context.recipe.train.seed, self.reference,
-            gather_once=once,
+            gather_once=once, shared_rows=model_flops(model) if sdpa else None,
         )  # fmt: skip
         if self.reference == "model":
             from finetune.reference import frozen_model
