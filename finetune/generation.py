@@ -40,7 +40,7 @@ import torch
 from accelerate import Accelerator
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase
+from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from finetune import attention
@@ -161,10 +161,12 @@ def complete(
     max_new_tokens: int,
     sampling: Sampling | None = None,
     lock_step: bool = True,
+    group: int = 1,
 ) -> list[list[int]]:
     """Each prompt's completion token ids, up to and including the token that ended it (or `max_new_tokens` of
     them), greedy or sampled. Every process calls it together, inside `generating(model)`, whose value says
-    whether the processes must decode in `lock_step` (their forwards gather parameters)."""
+    whether the processes must decode in `lock_step` (their forwards gather parameters). `group`: each prompt
+    comes that many times in a row (online RL's completions of a prompt), and its forward runs once."""
     width = max(len(ids) for ids in prompts)
     pad = tokenizer.pad_token_id
     device = accelerator.device
@@ -179,15 +181,35 @@ def complete(
     processors = LogitsProcessorList([_InverseTransform(sampling, width)] if sampling is not None else [])
     # DDP's wrapper has no `generate`; its module computes alike without gradients (nothing to synchronize).
     generator = model.module if isinstance(model, DistributedDataParallel) else model
+    cache = _shared_prompts_cache(generator, input_ids, mask, group)
     output = generator.generate(
         input_ids=input_ids, attention_mask=mask, generation_config=settings, logits_processor=processors,
-        synced_gpus=lock_step and accelerator.num_processes > 1,
+        synced_gpus=lock_step and accelerator.num_processes > 1, **({"past_key_values": cache} if cache else {}),
     )  # fmt: skip
     completions = []
     for row in output[:, width:].tolist():
         end = next((n + 1 for n, token in enumerate(row) if token in stops), len(row))
         completions.append(row[:end])
     return completions
+
+
+def _shared_prompts_cache(
+    model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, group: int
+) -> DynamicCache | None:
+    """The KV cache of the prompts but their last token, computed once per `group` of equal rows and repeated for
+    each: `generate` then runs the last token onwards (it skips what the cache holds). Left padding ends every
+    prompt in the last column, so the rows' caches line up. None where nothing is shared, or the model generates
+    with a cache of its own kind (a state-space or hybrid model's)."""
+    if group < 2 or input_ids.shape[1] < 2 or not model._supports_default_dynamic_cache():
+        return None
+    prompts, prompt_mask = input_ids[::group, :-1], mask[::group, :-1]
+    # The positions generate gives left-padded rows: counted over the real tokens (padding's are never seen).
+    positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prompts, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache, use_cache=True,
+          logits_to_keep=1)  # fmt: skip
+    cache.batch_repeat_interleave(group)
+    return cache
 
 
 def ended(completion: list[int], tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module) -> bool:

@@ -227,6 +227,13 @@ def test_seeded_sampling_does_not_depend_on_the_batch(demo_assets):
         greedy_alone = [complete(model, [p], tokenizer, accelerator, 12)[0] for p in prompts]
     assert together == alone and greedy == greedy_alone  # left padding changes nothing a row sees
     assert reseeded != together  # the seed is what decides
+    # Three completions of each prompt, its forward run once for the three (`group`): what rows of their own sample.
+    repeated = [p for p in prompts for _ in range(3)]
+    sampling = Sampling(0.9, 0.95, row_noise([(5, 1, n // 3, n % 3) for n in range(len(repeated))], 12))
+    with torch.no_grad(), generating(model):
+        grouped = complete(model, repeated, tokenizer, accelerator, 12, sampling, group=3)
+        apart = complete(model, repeated, tokenizer, accelerator, 12, sampling)
+    assert grouped == apart and len({tuple(c) for c in grouped}) > len(prompts)  # the completions of a prompt vary
 
 
 # ---- Shared rows: a prompt once, its completions after it, the same log-probabilities and gradients as a row each.

@@ -304,7 +304,7 @@ class GRPO:
         began = time.perf_counter()
         with torch.no_grad(), generating(model, gather_once=self.gather_once) as lock_step:
             completions = complete(
-                model, prompts, self.tokenizer, accelerator, self.cfg.max_new_tokens, sampling, lock_step
+                model, prompts, self.tokenizer, accelerator, self.cfg.max_new_tokens, sampling, lock_step, generations
             )
         model.train(was_training)
         seconds = time.perf_counter() - began
