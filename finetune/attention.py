@@ -102,18 +102,6 @@ def cumulative_lengths(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, end]).to(torch.int32)
 
 
-def shared_prompt_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """The (rows, 1, S, S) boolean attention mask of rows that hold a prompt once (segment 0) and then its
-    completions (segments 1, 2, ...; padding -1; `finetune.data.rollout`): a token attends causally to the prompt
-    and to its own segment. Padding attends to itself alone, since a query that sees nothing makes SDPA's softmax
-    NaN, and a NaN there would reach real tokens' gradients through the backward."""
-    length = segment_ids.shape[-1]
-    query, key = segment_ids.unsqueeze(2), segment_ids.unsqueeze(1)
-    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
-    seen = causal & (key >= 0) & ((key == 0) | (key == query))
-    return (seen | torch.eye(length, dtype=torch.bool, device=segment_ids.device)).unsqueeze(1)
-
-
 def varlen_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -3,7 +3,7 @@ package (and so without datasets and pyarrow)."""
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 
@@ -23,9 +23,9 @@ class Batch(TypedDict, total=False):
     """Padded rows: 1 on real tokens. Packed rows carry none (an all-ones mask would turn the block-causal one off)."""
     position_ids: torch.Tensor
     """Packed rows: positions restarting at each sample, so attention and RoPE see samples apart."""
-    segment_ids: torch.Tensor
-    """Online RL's shared rows: 0 on the prompt, n on its n-th completion, -1 on padding (`finetune.data.rollout`);
-    the model is given the mask they make, not `attention_mask`, which keeps marking real tokens for the rest."""
+    shared_prompt: Any
+    """Online RL's shared rows (a prompt once, then its completions: `finetune.data.rollout`): where each
+    completion's queries and keys are, for the `shared_prompt` attention (`finetune.shared_attention.Grouping`)."""
     cu_seq_lens: torch.Tensor
     """Packed rows: cumulative sample lengths over the rows flattened, for the varlen attention path."""
     kept_index: torch.Tensor

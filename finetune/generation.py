@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase
 from transformers.generation.logits_process import TopPLogitsWarper
 
-from finetune import attention
+from finetune import attention, shared_attention
 from finetune.config import GenerateConfig
 from finetune.distributed import equal_share
 from finetune.wrap import reshard
@@ -109,7 +109,7 @@ class GenerationEval:
         )
 
 
-def _stop_tokens(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def stop_tokens(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Where a completion ends: the tokenizer's end of sequence and the model's generation config's (a chat model's
     end-of-turn token, where the two differ)."""
     inner = model.module if isinstance(model, DistributedDataParallel) else model
@@ -172,7 +172,7 @@ def complete(
     device = accelerator.device
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=device)
-    stops = _stop_tokens(model, tokenizer)
+    stops = stop_tokens(model, tokenizer)
     # Settings of our own, not the model's generation config (a chat model's sampling defaults, a repetition
     # penalty): online RL trains the log-probabilities of the distribution it sampled from.
     settings = GenerationConfig(
@@ -212,11 +212,6 @@ def _shared_prompts_cache(
     return cache
 
 
-def ended(completion: list[int], tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module) -> bool:
-    """Whether a completion ended at a stop token (else it was cut at max_new_tokens)."""
-    return bool(completion) and completion[-1] in _stop_tokens(model, tokenizer)
-
-
 @contextlib.contextmanager
 def generating(model: torch.nn.Module, gather_once: bool = False) -> Iterator[bool]:
     """The model as generation needs it: SDPA with the padding mask, rows whole on every process; with
@@ -227,7 +222,8 @@ def generating(model: torch.nn.Module, gather_once: bool = False) -> Iterator[bo
     implementation = inner.config._attn_implementation
     split = attention.current_sequence_group()
     attention.split_rows_over(None)
-    if implementation == attention.NAME:
+    switched = implementation in (attention.NAME, shared_attention.NAME)  # training-only kernels
+    if switched:
         inner.set_attn_implementation("sdpa")
     kept = _keep_gathered(model) if gather_once else None
     _gather_root(model)
@@ -238,7 +234,7 @@ def generating(model: torch.nn.Module, gather_once: bool = False) -> Iterator[bo
         if kept is not None:
             _restore_resharding(kept)
         reshard(model)
-        if implementation == attention.NAME:
+        if switched:
             inner.set_attn_implementation(implementation)
         attention.split_rows_over(split)
 

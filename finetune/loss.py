@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from finetune import attention
+from finetune import attention, shared_attention
 from finetune.batch import IGNORE, Batch, kept_positions
 
 LossPath = Literal["chunked", "full_logits"]
@@ -107,8 +107,12 @@ def model_inputs(model: torch.nn.Module, batch: Batch) -> dict[str, Any]:
     samples without a word. The rows' boundaries are restarts too, so one row of all of them attends
     exactly as the rows did; the loss reads the outputs in the same order."""
     inputs: dict[str, Any] = {key: value for key, value in batch.items() if key in MODEL_INPUTS}
-    if "segment_ids" in batch:  # a prompt shared by its completions' segments (SDPA; finetune.data.rollout)
-        return inputs | {"attention_mask": attention.shared_prompt_mask(batch["segment_ids"])}
+    if "shared_prompt" in batch:  # a prompt shared by its completions (finetune.data.rollout)
+        if _attention_implementation(model) != shared_attention.NAME:  # its grouping would be ignored: refuse
+            raise RuntimeError(
+                f"shared rows need the {shared_attention.NAME!r} attention, not {_attention_implementation(model)!r}"
+            )
+        return inputs | {"shared_prompt": batch["shared_prompt"]}
     packed = "position_ids" in inputs and "attention_mask" not in inputs
     implementation = _attention_implementation(model)
     if packed and implementation == attention.NAME:

@@ -244,12 +244,15 @@ def test_seeded_sampling_does_not_depend_on_the_batch(demo_assets):
 def test_shared_rows_train_what_separate_rows_train(model_type, path):
     from transformers import AutoModelForCausalLM
 
+    from finetune import shared_attention
     from finetune.data.pack import with_host_indices
     from finetune.data.rollout import separate_rows, shared_rows
     from finetune.loss import token_logps
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="sdpa").double()
+    shared_attention.register()
+    model.set_attn_implementation(shared_attention.NAME)  # separate rows carry no grouping: SDPA as before
     lengths = [(5, [3, 1, 6]), (2, [4, 4, 2]), (9, [1, 7, 3])]  # prompts of 2 to 9 tokens, 3 completions each
     prompts, completions = [], []
     for prompt_length, completion_lengths in lengths:
@@ -271,18 +274,6 @@ def test_shared_rows_train_what_separate_rows_train(model_type, path):
         torch.testing.assert_close(shared_grads[name], grad, rtol=1e-5, atol=1e-6)  # logps in fp32
     shared_layout = shared_rows(prompts, completions, 3, 0)
     assert shared_layout["input_ids"].shape == (3, 9 + 8)  # the widest: a prompt of 9, completions of 1, 7, 3 less 1
-
-
-def test_shared_rows_are_chosen_when_they_cost_less():
-    from transformers import AutoModelForCausalLM
-
-    from finetune.data.rollout import shared_pays
-    from finetune.flops import model_flops
-
-    flops = model_flops(AutoModelForCausalLM.from_config(tiny_config("llama")))
-    prompt = list(range(1, 41))
-    assert shared_pays(flops, [prompt] * 8, [[7] * 30] * 8, 8)  # 8 short completions of a long prompt
-    assert not shared_pays(flops, [prompt[:4]] * 8, [[7] * 3000] * 8, 8)  # long ones: the square outgrows them
 
 
 # ---- Real runs: GRPO from a partly trained demo model on 1 process and 2, and resumed elastically between

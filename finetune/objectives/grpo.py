@@ -36,13 +36,13 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
+from finetune import attention, shared_attention
 from finetune.batch import Batch
 from finetune.config import RLConfig
 from finetune.data.pack import with_host_indices
 from finetune.data.prompt_only import PromptOnly
-from finetune.data.rollout import separate_rows, shared_pays, shared_rows
-from finetune.flops import ModelFlops, model_flops
-from finetune.generation import Sampling, complete, ended, generating, row_noise
+from finetune.data.rollout import separate_rows, shared_rows
+from finetune.generation import Sampling, complete, generating, row_noise, stop_tokens
 from finetune.loss import LossPath, token_logps
 from finetune.model import disable_dropout
 from finetune.rewards import Reward, build_rewards, check_columns, score
@@ -243,9 +243,9 @@ class GRPO:
     reference_model: torch.nn.Module | None = None
     gather_once: bool = True
     """Generation keeps every layer's parameters gathered from the first decoding step to the last."""
-    shared_rows: ModelFlops | None = None
-    """The model's FLOPs, where its attention takes a shared prompt's mask (SDPA): micro-batches whose
-    completions share their prompt's row when that costs less (`finetune.data.rollout`); None: a row each."""
+    share_prompts: bool = False
+    """The models attend with `shared_prompt` attention: a prompt's completions share its row (`finetune.data.rollout`:
+    never more positions than a row each); else a row each."""
     window: _Window = field(init=False)
     cached: tuple[int, list[Batch]] | None = None
     """The rollout trained on again (num_iterations > 1): the step it was sampled at, and its micro-batches."""
@@ -308,7 +308,8 @@ class GRPO:
             )
         model.train(was_training)
         seconds = time.perf_counter() - began
-        truncated = [not ended(c, self.tokenizer, model) for c in completions]
+        stops = stop_tokens(model, self.tokenizer)
+        truncated = [not c or c[-1] not in stops for c in completions]  # cut at max_new_tokens
         per_function = self._score(micro_batches, completions, repeats=generations)
         moments = lambda values: accelerator.reduce(values.to(accelerator.device), "sum").cpu()  # noqa: E731
         advantage, rewards, equal = advantages(
@@ -352,10 +353,10 @@ class GRPO:
         self, prompts: list[list[int]], completions: list[list[int]], advantage: torch.Tensor, truncated: list[bool]
     ) -> Batch:
         """The completions as training rows (`finetune.data.rollout`): each prompt shared by its completions where
-        the model's attention takes the mask and it saves work, else a row per completion; the completions' tokens
-        are the targets, in the same order either way."""
+        the model's attention can, else a row per completion; the completions' tokens are the targets, in the same
+        order either way."""
         pad, group = self.tokenizer.pad_token_id, self.cfg.num_generations
-        if self.shared_rows is not None and shared_pays(self.shared_rows, prompts, completions, group):
+        if self.share_prompts:
             rows = shared_rows(prompts, completions, group, pad)
         else:
             rows = separate_rows(prompts, completions, pad)
@@ -374,7 +375,7 @@ class GRPO:
         is trained on more than once) and the reference's (beta > 0)."""
         device = accelerator.device
         for n, batch in enumerate(batches):
-            batches[n] = batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            batches[n] = batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
             if self.cfg.num_iterations > 1:
                 batch["old_logps"] = token_logps(model, batch, self.loss_path, self.cfg.temperature)
             if self.reference == "model":
@@ -446,23 +447,36 @@ class GRPOBuilder:
         model = accelerator.unwrap_model(context.model)
         once, line = _gather_once(model, accelerator)
         accelerator.print(line)
-        # SDPA takes the shared rows' mask as it is; the varlen and flash kernels take sample boundaries only.
-        implementation = model.config._attn_implementation
-        sdpa = implementation == "sdpa"
-        accelerator.print(
-            "rollout rows: each prompt once, shared by its completions, where that costs less"
-            if sdpa else f"rollout rows: one per completion ({implementation} attention takes no shared prompt's mask)"
-        )  # fmt: skip
         objective = GRPO(
             self.cfg, context.loss_path, self.rewards, context.tokenizer, context.recipe.train.seed, self.reference,
-            gather_once=once, shared_rows=model_flops(model) if sdpa else None,
+            gather_once=once,
         )  # fmt: skip
         if self.reference == "model":
             from finetune.reference import frozen_model
 
             objective.reference_model = frozen_model(context.recipe.model, self.reference_model, accelerator,
                                                      "rl.beta > 0: the initial weights")  # fmt: skip
+        models = [model] + ([accelerator.unwrap_model(objective.reference_model)] if objective.reference_model else [])
+        objective.share_prompts, line = _share_prompts(models)
+        accelerator.print(line)
         return objective, lambda: None
+
+
+def _share_prompts(models: list[torch.nn.Module]) -> tuple[bool, str]:
+    """Whether rollout rows may share their prompt (its attention, `shared_prompt`, set on the models: the policy
+    and a frozen reference, which score the same rows), and the log's line saying which."""
+    implementation = models[0].config._attn_implementation
+    # varlen and flash kernels take sample boundaries, no grouping; shared_attention knows full causal attention only.
+    why = (
+        f"{implementation} attention" if implementation != "sdpa"
+        else attention.unsupported(models[0].config)
+    )  # fmt: skip
+    if why is not None:
+        return False, f"rollout rows: one per completion (shared prompts need SDPA's full causal attention: {why})"
+    shared_attention.register()
+    for model in models:
+        model.set_attn_implementation(shared_attention.NAME)
+    return True, "rollout rows: each prompt once, its completions after it (shared_prompt attention)"
 
 
 def _gather_once(model: torch.nn.Module, accelerator: Accelerator) -> tuple[bool, str]:
