@@ -48,6 +48,7 @@ def measure(bench: Bench) -> dict:
         trl = json.loads(result.read_text())
         runs["trl"].append(_measured(2 * prompts / _steady_median(trl["step_seconds"]), peak, float("nan")))
     median = _medians(runs)
+    layouts = _row_layouts(model, generations, new_tokens, bench.repeats)
     ratios = {
         name: {
             "prompts_per_second": median[name]["prompts_per_second"] / median["trl"]["prompts_per_second"],
@@ -58,8 +59,48 @@ def measure(bench: Bench) -> dict:
     return {
         "size": size.name, "prompts_per_step": 2 * prompts, "generations": generations, "new_tokens": new_tokens,
         "runs": runs, "median": median, "ratios": ratios, "targets": {"prompts_per_second": 1.5, "peak_rss": 1.0},
+        "layouts": layouts,
         "trl_version": _version("trl"),
     }  # fmt: skip
+
+
+def _row_layouts(model_dir, generations: int, new_tokens: int, repeats: int) -> list[dict]:
+    """One training forward and backward of 4 prompts' completions in the rows GRPO trains on (a prompt shared by
+    its completions, `finetune.shared_attention`) and in a row per completion, in this process (one thread), for
+    prompts of 10 and 100 tokens: the median seconds of each over `repeats` interleaved runs."""
+    import statistics
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from finetune import shared_attention
+    from finetune.data.pack import with_host_indices
+    from finetune.data.rollout import separate_rows, shared_rows
+    from finetune.loss import token_logps
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each of the 2 training processes runs
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    shared_attention.register()
+    model.set_attn_implementation(shared_attention.NAME)
+    results = []
+    for prompt_tokens in (10, 100):
+        prompts = [[5] * prompt_tokens] * (4 * generations)
+        completions = [[7] * new_tokens] * (4 * generations)
+        layouts = {
+            "shared": shared_rows(prompts, completions, generations, 0),
+            "separate": separate_rows(prompts, completions, 0),
+        }
+        seconds: dict[str, list[float]] = {name: [] for name in layouts}
+        for _ in range(1 + repeats):  # the first round warms up, uncounted
+            for name, rows in layouts.items():
+                began = time.perf_counter()
+                token_logps(model, with_host_indices(dict(rows)), "chunked").sum().backward()
+                seconds[name].append(time.perf_counter() - began)
+        results.append({"prompt_tokens": prompt_tokens, **{n: statistics.median(s[1:]) for n, s in seconds.items()}})
+    torch.set_num_threads(threads)
+    return results
 
 
 def _measured(rate: float, peak: int, mean_length: float) -> dict:
@@ -85,4 +126,10 @@ def rows(grpo: dict) -> list[str]:
                 f"{ratios['peak_rss']:.2f}x", f"<= {targets['peak_rss']}x",
             ),
         ]  # fmt: skip
+    for case in grpo.get("layouts", []):
+        rows.append(_row(
+            f"GRPO training rows, one forward and backward of 4 prompts of {case['prompt_tokens']} tokens x "
+            f"{grpo['generations']} completions of {grpo['new_tokens']} (shared prompt rows vs a row per completion)",
+            f"{case['shared']:.3f} s", f"{case['separate']:.3f} s", f"{case['separate'] / case['shared']:.2f}x",
+        ))  # fmt: skip
     return rows
