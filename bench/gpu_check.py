@@ -38,6 +38,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -250,28 +251,24 @@ def grpo(check: Check, step: Step, cap: float) -> None:
         "data.train_path": root / "data" / "prompts_train.jsonl",
         "data.eval_path": root / "data" / "prompts_eval.jsonl",
     }
-    short = {
-        "train.max_steps": 2,
-        "train.eval_every_steps": 2,
-        "train.log_every_steps": 1,
-        "eval.generate.samples": 16,
-    }
-    short = {} if check.gpu else short
+    # CPU form: 2 steps, each logged, and an evaluation of 16 lists.
+    cpu_form = {"train.max_steps": 2, "train.eval_every_steps": 2, "train.log_every_steps": 1}
+    short = {} if check.gpu else {**cpu_form, "eval.generate.samples": 16}
     second = _demo_train("tiny_llama_grpo.yaml", root, run, {**data, **short}, base=partial / "final")
     start = time.monotonic()
     returncode, _ = check.run(second, "demo.log", deadline - time.monotonic())
     seconds = time.monotonic() - start
     if not _ended(step, returncode, cap, "GRPO training"):
         return
-    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    rates = sorted(row["generation/tokens_per_second"] for row in logged if "generation/tokens_per_second" in row)
-    step_seconds = sorted(row["step_seconds"] for row in logged if "step_seconds" in row)
+    logged = _logged(run / "metrics.jsonl")
+    rates = [row["generation/tokens_per_second"] for row in logged if "generation/tokens_per_second" in row]
+    step_seconds = [row["step_seconds"] for row in logged if "step_seconds" in row]
     rewards = [row["reward"] for row in logged if "reward" in row]
-    before = _last_logged(partial / "metrics.jsonl", "eval_exact_match")
-    after = _last_logged(run / "metrics.jsonl", "eval_exact_match")
+    before = [row["eval_exact_match"] for row in _logged(partial / "metrics.jsonl") if "eval_exact_match" in row][-1]
+    after = [row["eval_exact_match"] for row in logged if "eval_exact_match" in row][-1]
     step.lines += [
         f"training: {seconds:.1f} s wall, {len(step_seconds)} logged windows, median step "
-        f"{step_seconds[len(step_seconds) // 2]:.3f} s, generation {rates[len(rates) // 2]:.0f} tokens/s (median)",
+        f"{statistics.median(step_seconds):.3f} s, generation {statistics.median(rates):.0f} tokens/s (median)",
         f"reward (training batches): first window {rewards[0]:.3f}, last {rewards[-1]:.3f}",
         f"exact match on the held-out lists: before {before:.3f}, after {after:.3f}",
     ]
@@ -295,8 +292,9 @@ def _demo_train(recipe: str, root: Path, run: Path, overrides: dict, base: Path 
     ]  # fmt: skip
 
 
-def _last_logged(metrics: Path, key: str) -> float:
-    return [row[key] for row in map(json.loads, metrics.read_text().splitlines()) if key in row][-1]
+def _logged(metrics: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl."""
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
 def bench(check: Check, step: Step, cap: float) -> None:

@@ -107,14 +107,12 @@ def model_inputs(model: torch.nn.Module, batch: Batch) -> dict[str, Any]:
     samples without a word. The rows' boundaries are restarts too, so one row of all of them attends
     exactly as the rows did; the loss reads the outputs in the same order."""
     inputs: dict[str, Any] = {key: value for key, value in batch.items() if key in MODEL_INPUTS}
+    implementation = _attention_implementation(model)
     if "shared_prompt" in batch:  # a prompt shared by its completions (finetune.data.rollout)
-        if _attention_implementation(model) != shared_attention.NAME:  # its grouping would be ignored: refuse
-            raise RuntimeError(
-                f"shared rows need the {shared_attention.NAME!r} attention, not {_attention_implementation(model)!r}"
-            )
+        if implementation != shared_attention.NAME:  # its grouping would be ignored: refuse
+            raise RuntimeError(f"shared rows need the {shared_attention.NAME!r} attention, not {implementation!r}")
         return inputs | {"shared_prompt": batch["shared_prompt"]}
     packed = "position_ids" in inputs and "attention_mask" not in inputs
-    implementation = _attention_implementation(model)
     if packed and implementation == attention.NAME:
         boundaries = attention.boundaries(inputs["position_ids"], batch.get("cu_seq_lens"))
         if not attention.rows_split():  # split rows are whole, and flattened, only inside attention
