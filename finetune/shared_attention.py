@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 NAME = "shared_prompt"
 
@@ -106,14 +107,37 @@ def shared_prompt_attention(
     prompts = F.scaled_dot_product_attention(
         query[:, :, :prompt], key[:, :, :prompt], value[:, :, :prompt], is_causal=True, scale=scaling
     )
-    completions = F.scaled_dot_product_attention(
-        _gather(query, grouping.queries), _gather(key, grouping.keys), _gather(value, grouping.keys),
-        attn_mask=grouping.mask, scale=scaling,
-    )  # fmt: skip
+    if torch.is_grad_enabled() and not _saved_elsewhere():
+        # Recomputed in backward rather than kept: the kernel would save each completion's gathered copy of its
+        # prompt's keys and values, completions x prompt positions, the size that sharing the prompt saves
+        # everywhere else. Recomputing costs the gathers and this kernel's forward once more (2-5% of a forward
+        # and backward on the GRPO bench's rows, for a quarter of their activations at prompts of 150 tokens).
+        completions = checkpoint(_completions, query, key, value, grouping, scaling, use_reentrant=False)
+    else:
+        completions = _completions(query, key, value, grouping, scaling)
     rows, heads, length, dim = query.shape
     outputs = torch.cat([prompts.transpose(1, 2).reshape(-1, heads, dim),
                          completions.transpose(1, 2).reshape(-1, heads, dim)])  # fmt: skip
     return outputs.index_select(0, grouping.output).view(rows, length, heads, dim), None
+
+
+def _completions(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, grouping: Grouping, scaling: float | None
+) -> torch.Tensor:
+    """Each completion's attention over its prompt and its own segment: (completions, heads, segment, dim)."""
+    return F.scaled_dot_product_attention(
+        _gather(query, grouping.queries), _gather(key, grouping.keys), _gather(value, grouping.keys),
+        attn_mask=grouping.mask, scale=scaling,
+    )  # fmt: skip
+
+
+def _saved_elsewhere() -> bool:
+    """Whether what this forward saves for backward already goes through saved-tensor hooks: an enclosing
+    activation checkpoint (the layer's whole forward recomputed in backward, `train.activation_checkpointing`) or
+    activation offload. Checkpointing the completions' attention inside it again would recompute it twice and
+    save nothing. torch has no public query for this; without its private one, the attention is checkpointed."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(True) is not None
 
 
 def _gather(states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -75,8 +75,8 @@ def test_make_bench_runs_every_comparison(tmp_path):
     assert all(positive(v) for ratio in dpo["ratios"].values() for v in ratio.values())
     assert all(positive(v) for part in ("experts", "trl") for v in results["moe"][part]["median"].values())
     assert all(positive(v["peak_rss_bytes"]) for v in results["merge"]["median"].values())
-    grpo = results["grpo"]  # online RL against TRL's GRPOTrainer, generation included
-    assert set(grpo["median"]) == {"finetune_ddp", "finetune_fsdp2", "trl"}
+    grpo = results["grpo"]["shapes"]["instructed"]  # online RL against TRL's GRPOTrainer, generation included
+    assert set(grpo["median"]) == {"finetune_ddp", "finetune_fsdp2", "trl"} and grpo["prompt_tokens"] > 100
     assert all(positive(v) for run in grpo["ratios"].values() for v in run.values())
     assert all(positive(grpo["median"][name]["completion_tokens"]) for name in ("finetune_ddp", "finetune_fsdp2"))
 

@@ -276,6 +276,38 @@ def test_shared_rows_train_what_separate_rows_train(model_type, path):
     assert shared_layout["input_ids"].shape == (3, 9 + 8)  # the widest: a prompt of 9, completions of 1, 7, 3 less 1
 
 
+@pytest.mark.parametrize("layer_checkpointing", [False, True])
+def test_completions_attention_is_recomputed_once_in_backward(monkeypatch, layer_checkpointing):
+    """The completions' attention is recomputed in backward, not kept (its gathered keys are completions x prompt
+    long): two passes per layer, forward and backward; where the layers recompute their whole forward already
+    (activation checkpointing), still two, not three."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune import shared_attention
+    from finetune.data.pack import with_host_indices
+    from finetune.data.rollout import shared_rows
+    from finetune.loss import token_logps
+
+    passes = []
+    completions = shared_attention._completions
+    monkeypatch.setattr(shared_attention, "_completions", lambda *a: passes.append(1) or completions(*a))
+    torch.manual_seed(0)
+    config = tiny_config("llama")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    shared_attention.register()
+    model.set_attn_implementation(shared_attention.NAME)
+    if layer_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    rows = with_host_indices(dict(shared_rows([[5, 6, 7]] * 4, [[8, 9, 10]] * 4, 2, 0)))
+    with torch.no_grad():
+        token_logps(model, rows, "chunked")
+    assert len(passes) == config.num_hidden_layers  # nothing to recompute without gradients
+    passes.clear()
+    token_logps(model, rows, "chunked").sum().backward()
+    assert len(passes) == 2 * config.num_hidden_layers
+
+
 # ---- Real runs: GRPO from a partly trained demo model on 1 process and 2, and resumed elastically between
 # rollouts. Each rollout is trained on twice (num_iterations), with a KL penalty to the base (a frozen copy).
 

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from common import MIB, REPO, Bench, _free_port, _medians, _row, _steady_median, _timed_peak_rss, _version
 
 GRPO_RECIPE = REPO / "recipes" / "demo" / "tiny_llama_grpo.yaml"
+
+
+# Prefixed to every demo prompt in the second shape: what a real RL prompt carries besides its question (a
+# system prompt, the task's instructions, the answer's format), about 150 tokens with the demo's tokenizer.
+INSTRUCTION = (
+    "You answer list puzzles. Read the numbers after the colon and write them in the opposite order, separated by "
+    "single spaces, with nothing else. "
+)
 
 
 def measure(bench: Bench) -> dict:
@@ -16,13 +25,44 @@ def measure(bench: Bench) -> dict:
     loss, beta 0, one update per rollout, fp32 both: prompts per second through whole steps (sampling, scoring,
     the forward and backward, the update) and the peak resident memory of the largest process. A randomly
     initialised model rarely stops before the length limit: both generate about the same tokens. finetune under
-    DDP (TRL's engine) and FSDP2."""
+    DDP (TRL's engine) and FSDP2. Two prompt shapes: the demo's bare lists (about 10 tokens, shorter than any real
+    RL prompt) and the same lists after an instruction (about 150 tokens, as a math prompt's question and
+    instructions in a chat template); quick runs the second only."""
     size = bench.train_size
     model = bench.model(size)
-    prompts_file = bench.work / "demo" / "data" / "prompts_train.jsonl"
+    bare = bench.work / "demo" / "data" / "prompts_train.jsonl"
+    shapes = {"bare": bare, "instructed": _instructed(bare, bench.work / "grpo_prompts_instructed.jsonl")}
+    if bench.quick:
+        del shapes["bare"]
     prompts, generations, new_tokens, steps = (2, 4, 8, 3) if bench.quick else (4, 8, 32, 8)
+    results = {
+        shape: _compare(bench, model, path, f"{shape}-", prompts, generations, new_tokens, steps)
+        for shape, path in shapes.items()
+    }
+    return {
+        "size": size.name, "prompts_per_step": 2 * prompts, "generations": generations, "new_tokens": new_tokens,
+        "shapes": results, "targets": {"prompts_per_second": 1.5, "peak_rss": 1.0},
+        "layouts": _row_layouts(model, generations, new_tokens, bench.repeats), "trl_version": _version("trl"),
+    }  # fmt: skip
+
+
+def _instructed(bare: Path, path: Path) -> Path:
+    """The demo prompts with `INSTRUCTION` before each list."""
+    with path.open("w") as out:
+        for line in bare.read_text().splitlines():
+            sample = json.loads(line)
+            sample["prompt"][-1]["content"] = INSTRUCTION + sample["prompt"][-1]["content"]
+            out.write(json.dumps(sample) + "\n")
+    return path
+
+
+def _compare(
+    bench: Bench, model: Path, prompts_file: Path, tag: str, prompts: int, generations: int, new_tokens: int,
+    steps: int,
+) -> dict:  # fmt: skip
+    """The contenders' medians over `bench.repeats` interleaved repetitions on one prompt file, and their ratios."""
     settings = {
-        "data.train_path": prompts_file, "data.max_length": 32 + new_tokens, "data.packing": "false",
+        "data.train_path": prompts_file, "data.max_length": 256 + new_tokens, "data.packing": "false",
         "data.format": "auto", "rl.num_generations": generations, "rl.max_new_tokens": new_tokens,
         "rl.temperature": 1.0, "rl.loss": "dapo", "rl.beta": 0.0, "train.micro_batch_size": prompts,
         "train.max_steps": steps,
@@ -32,14 +72,14 @@ def measure(bench: Bench) -> dict:
     (bench.work / "runs").mkdir(parents=True, exist_ok=True)
     for repeat in range(bench.repeats):
         for name, config in contenders.items():
-            command, out = bench.finetune_command(f"grpo-{name}-{repeat}", size, config, recipe=GRPO_RECIPE,
-                                                  **settings)  # fmt: skip
-            _, peak = _timed_peak_rss(command, stdout=bench.work / "runs" / f"grpo-{name}-{repeat}.log")
+            run = f"grpo-{tag}{name}-{repeat}"
+            command, out = bench.finetune_command(run, bench.train_size, config, recipe=GRPO_RECIPE, **settings)
+            _, peak = _timed_peak_rss(command, stdout=bench.work / "runs" / f"{run}.log")
             entries = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             seconds = [e["step_seconds"] for e in entries if "loss" in e]
             lengths = [e["completions/mean_length"] for e in entries if "loss" in e]
             runs[name].append(_measured(2 * prompts / _steady_median(seconds), peak, sum(lengths) / len(lengths)))
-        result = bench.work / "runs" / f"trl-grpo-{repeat}.json"
+        result = bench.work / "runs" / f"trl-grpo-{tag}{repeat}.json"
         _, peak = _timed_peak_rss([
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
             str(_free_port()), str(REPO / "bench" / "trl_grpo.py"), str(model), str(prompts_file), str(steps),
@@ -48,7 +88,6 @@ def measure(bench: Bench) -> dict:
         trl = json.loads(result.read_text())
         runs["trl"].append(_measured(2 * prompts / _steady_median(trl["step_seconds"]), peak, float("nan")))
     median = _medians(runs)
-    layouts = _row_layouts(model, generations, new_tokens, bench.repeats)
     ratios = {
         name: {
             "prompts_per_second": median[name]["prompts_per_second"] / median["trl"]["prompts_per_second"],
@@ -56,18 +95,26 @@ def measure(bench: Bench) -> dict:
         }
         for name in contenders
     }
-    return {
-        "size": size.name, "prompts_per_step": 2 * prompts, "generations": generations, "new_tokens": new_tokens,
-        "runs": runs, "median": median, "ratios": ratios, "targets": {"prompts_per_second": 1.5, "peak_rss": 1.0},
-        "layouts": layouts,
-        "trl_version": _version("trl"),
-    }  # fmt: skip
+    return {"prompt_tokens": _prompt_tokens(model, prompts_file), "runs": runs, "median": median, "ratios": ratios}
+
+
+def _prompt_tokens(model: Path, prompts_file: Path) -> float:
+    """The prompts' mean length in tokens, rendered with the chat template's generation prompt."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    samples = [json.loads(line) for line in prompts_file.read_text().splitlines()[:500]]
+    rendered = [
+        tokenizer.apply_chat_template(s["prompt"], add_generation_prompt=True, return_dict=True) for s in samples
+    ]
+    lengths = [len(r["input_ids"]) for r in rendered]
+    return sum(lengths) / len(lengths)
 
 
 def _row_layouts(model_dir, generations: int, new_tokens: int, repeats: int) -> list[dict]:
     """One training forward and backward of 4 prompts' completions in the rows GRPO trains on (a prompt shared by
     its completions, `finetune.shared_attention`) and in a row per completion, in this process (one thread), for
-    prompts of 10 and 100 tokens: the median seconds of each over `repeats` interleaved runs."""
+    prompts of 10 and 150 tokens (the two shapes'): the median seconds of each over `repeats` interleaved runs."""
     import statistics
     import time
 
@@ -85,7 +132,7 @@ def _row_layouts(model_dir, generations: int, new_tokens: int, repeats: int) -> 
     shared_attention.register()
     model.set_attn_implementation(shared_attention.NAME)
     results = []
-    for prompt_tokens in (10, 100):
+    for prompt_tokens in (10, 150):
         prompts = [[5] * prompt_tokens] * (4 * generations)
         completions = [[7] * new_tokens] * (4 * generations)
         layouts = {
@@ -109,23 +156,25 @@ def _measured(rate: float, peak: int, mean_length: float) -> dict:
 
 def rows(grpo: dict) -> list[str]:
     rows = []
-    median, targets = grpo["median"], grpo["targets"]
-    setup = (f"{grpo['size']}, {grpo['prompts_per_step']} prompts x {grpo['generations']} completions of up to "
-             f"{grpo['new_tokens']} tokens a step")  # fmt: skip
-    for name, engine in (("finetune_ddp", "DDP both"), ("finetune_fsdp2", "FSDP2 vs DDP")):
-        ours, theirs, ratios = median[name], median["trl"], grpo["ratios"][name]
-        rows += [
-            _row(
-                f"GRPO prompts/s through whole steps vs TRL GRPOTrainer {grpo['trl_version']} ({setup}; {engine})",
-                f"{ours['prompts_per_second']:.2f}", f"{theirs['prompts_per_second']:.2f}",
-                f"{ratios['prompts_per_second']:.2f}x", f">= {targets['prompts_per_second']}x",
-            ),
-            _row(
-                f"GRPO peak RSS of the largest process ({engine})",
-                f"{ours['peak_rss_bytes'] / MIB:.0f} MiB", f"{theirs['peak_rss_bytes'] / MIB:.0f} MiB",
-                f"{ratios['peak_rss']:.2f}x", f"<= {targets['peak_rss']}x",
-            ),
-        ]  # fmt: skip
+    targets = grpo["targets"]
+    for result in grpo["shapes"].values():
+        median = result["median"]
+        setup = (f"{grpo['size']}, {grpo['prompts_per_step']} prompts of {result['prompt_tokens']:.0f} tokens x "
+                 f"{grpo['generations']} completions of up to {grpo['new_tokens']} tokens a step")  # fmt: skip
+        for name, engine in (("finetune_ddp", "DDP both"), ("finetune_fsdp2", "FSDP2 vs DDP")):
+            ours, theirs, ratios = median[name], median["trl"], result["ratios"][name]
+            rows += [
+                _row(
+                    f"GRPO prompts/s through whole steps vs TRL GRPOTrainer {grpo['trl_version']} ({setup}; {engine})",
+                    f"{ours['prompts_per_second']:.2f}", f"{theirs['prompts_per_second']:.2f}",
+                    f"{ratios['prompts_per_second']:.2f}x", f">= {targets['prompts_per_second']}x",
+                ),
+                _row(
+                    f"GRPO peak RSS of the largest process ({setup}; {engine})",
+                    f"{ours['peak_rss_bytes'] / MIB:.0f} MiB", f"{theirs['peak_rss_bytes'] / MIB:.0f} MiB",
+                    f"{ratios['peak_rss']:.2f}x", f"<= {targets['peak_rss']}x",
+                ),
+            ]  # fmt: skip
     for case in grpo.get("layouts", []):
         rows.append(_row(
             f"GRPO training rows, one forward and backward of 4 prompts of {case['prompt_tokens']} tokens x "
