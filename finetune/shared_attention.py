@@ -112,7 +112,9 @@ def shared_prompt_attention(
         # prompt's keys and values, completions x prompt positions, the size that sharing the prompt saves
         # everywhere else. Recomputing costs the gathers and this kernel's forward once more (2-5% of a forward
         # and backward on the GRPO bench's rows, for a quarter of their activations at prompts of 150 tokens).
-        completions = checkpoint(_completions, query, key, value, grouping, scaling, use_reentrant=False)
+        # Nothing in it is random (no attention dropout: `attention.unsupported`): no RNG state to keep.
+        completions = checkpoint(_completions, query, key, value, grouping, scaling, use_reentrant=False,
+                                 preserve_rng_state=False)  # fmt: skip
     else:
         completions = _completions(query, key, value, grouping, scaling)
     rows, heads, length, dim = query.shape
