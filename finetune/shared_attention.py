@@ -7,7 +7,8 @@ Here each completion's queries are gathered with its own keys and values, the pr
 batch of short rows (one per completion, right-padded), and the prompt's queries attend causally within the prompt:
 two SDPA calls, each computing only what rows of their own would, and the outputs scattered back to the row's
 positions. The gathers and the scatter are index operations, so autograd carries the gradients of the prompt's keys
-and values back from every completion that read them.
+and values back from every completion that read them. The completions' part is recomputed in backward rather than
+kept: what it would keep, each completion's copy of its prompt's keys and values, is the size sharing saves.
 
 Batches without the grouping (`Grouping`, passed to the model as the `shared_prompt` keyword and from there to each
 attention layer) run transformers' SDPA with its usual mask: the objective's separate rows, evaluation, generation.
