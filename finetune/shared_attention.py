@@ -108,12 +108,13 @@ def shared_prompt_attention(
     prompts = F.scaled_dot_product_attention(
         query[:, :, :prompt], key[:, :, :prompt], value[:, :, :prompt], is_causal=True, scale=scaling
     )
-    if torch.is_grad_enabled() and not _saved_elsewhere():
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and not _saved_elsewhere():
         # Recomputed in backward rather than kept: the kernel would save each completion's gathered copy of its
         # prompt's keys and values, completions x prompt positions, the size that sharing the prompt saves
         # everywhere else. Recomputing costs the gathers and this kernel's forward once more (2-5% of a forward
         # and backward on the GRPO bench's rows, for a quarter of their activations at prompts of 150 tokens).
-        # Nothing in it is random (no attention dropout: `attention.unsupported`): no RNG state to keep.
+        # Nothing in it is random (no attention dropout: `attention.unsupported`): no RNG state to keep. A compiled
+        # layer (regional compilation) is left to AOTAutograd's partitioner, which chooses what its graph keeps.
         completions = checkpoint(_completions, query, key, value, grouping, scaling, use_reentrant=False,
                                  preserve_rng_state=False)  # fmt: skip
     else:

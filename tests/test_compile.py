@@ -63,3 +63,35 @@ def test_regional_compilation_under_fsdp2_and_checkpointing_trains_as_eager(fsdp
     compiled = LaunchedRun(result, output_dir)
     assert "compile: aot_eager, regional (" in compiled.log and "(0 modules" not in compiled.log
     torch.testing.assert_close(compiled.losses(), fsdp2_run.losses(), rtol=1e-5, atol=1e-6)
+
+
+def test_regionally_compiled_shared_rollout_rows_train_as_eager():
+    """Online RL's shared rows (a prompt once, its completions after it: `finetune.shared_attention`) through
+    compiled layers: no graph break, the eager log-probabilities and gradients, as prompt lengths change."""
+    from helpers import tiny_config
+
+    from finetune import shared_attention
+    from finetune.data.pack import with_host_indices
+    from finetune.data.rollout import shared_rows
+    from finetune.loss import token_logps
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    eager = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+    shared_attention.register()
+    eager.set_attn_implementation(shared_attention.NAME)
+    compiled = compile_regions_fsdp2(copy.deepcopy(eager), backend="aot_eager")
+    for prompt_length in (3, 5, 3):
+        rows = with_host_indices(dict(shared_rows([[5] * prompt_length] * 4, [[8, 9, 10], [8, 9], [7], [6]], 2, 0)))
+        results = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            logps = token_logps(model, rows, "chunked")
+            logps.sum().backward()
+            results.append((logps.detach(), [p.grad.clone() for p in model.parameters()]))
+        (expected, expected_grads), (got, got_grads) = results
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        for a, b in zip(expected_grads, got_grads, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+    assert not counters["graph_break"], dict(counters["graph_break"])
