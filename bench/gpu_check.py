@@ -261,11 +261,10 @@ def grpo(check: Check, step: Step, cap: float) -> None:
     if not _ended(step, returncode, cap, "GRPO training"):
         return
     logged = _logged(run / "metrics.jsonl")
-    rates = [row["generation/tokens_per_second"] for row in logged if "generation/tokens_per_second" in row]
-    step_seconds = [row["step_seconds"] for row in logged if "step_seconds" in row]
-    rewards = [row["reward"] for row in logged if "reward" in row]
-    before = [row["eval_exact_match"] for row in _logged(partial / "metrics.jsonl") if "eval_exact_match" in row][-1]
-    after = [row["eval_exact_match"] for row in logged if "eval_exact_match" in row][-1]
+    rates, step_seconds = _series(logged, "generation/tokens_per_second"), _series(logged, "step_seconds")
+    rewards = _series(logged, "reward")
+    before = _series(_logged(partial / "metrics.jsonl"), "eval_exact_match")[-1]
+    after = _series(logged, "eval_exact_match")[-1]
     step.lines += [
         f"training: {seconds:.1f} s wall, {len(step_seconds)} logged windows, median step "
         f"{statistics.median(step_seconds):.3f} s, generation {statistics.median(rates):.0f} tokens/s (median)",
@@ -295,6 +294,11 @@ def _demo_train(recipe: str, root: Path, run: Path, overrides: dict, base: Path 
 def _logged(metrics: Path) -> list[dict]:
     """The rows of a run's metrics.jsonl."""
     return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def _series(logged: list[dict], key: str) -> list[float]:
+    """`key`'s values, in order, from the rows that log it."""
+    return [row[key] for row in logged if key in row]
 
 
 def bench(check: Check, step: Step, cap: float) -> None:
