@@ -151,6 +151,7 @@ def build_run(recipe: RecipeConfig, resume_from: Path | None) -> Run:
     model, started_on_meta = setup_model(recipe, accelerator, policy, weights, resume_from)
     names = tensor_names(model)  # before FSDP renames or flattens anything; saved with every checkpoint
     data = setup_data(recipe, tokenizer, accelerator, builder)
+    generation = setup_generation(recipe, data, tokenizer)
     fit_to_launch(model, accelerator, builder)
     model, optimizer, train_loader, eval_loader = setup_optimizer(recipe, accelerator, model, data, started_on_meta)
     max_steps = setup_steps(recipe, train_loader, resume_from)
@@ -167,14 +168,24 @@ def build_run(recipe: RecipeConfig, resume_from: Path | None) -> Run:
         recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, max_steps,
         Path(recipe.output.dir), write_model_files, names, save_state, loss_path, objective, builder.name, start,
         data, weights, builder.unit_noun, started_on_meta, [policy_line, loss_line, routing_line],
-        write_objective_files, setup_generation(recipe, data, tokenizer),
+        write_objective_files, generation,
     )  # fmt: skip
 
 
 def setup_generation(recipe: RecipeConfig, data: Data, tokenizer: PreTrainedTokenizerBase) -> GenerationEval | None:
     """eval.generate's prompts and scoring, or None (loss-only evaluation)."""
     generate = recipe.eval.generate
-    return GenerationEval(generate, data.prompts, tokenizer) if generate is not None and data.prompts else None
+    if generate is None or not data.prompts:
+        return None
+    positions = getattr(load_model_config(recipe.model).get_text_config(), "max_position_embeddings", None)
+    longest = max(len(prompt.ids) for prompt in data.prompts)
+    if isinstance(positions, int) and longest + generate.max_new_tokens > positions:
+        raise FinetuneError(
+            f"eval.generate: the longest eval prompt ({longest:,} tokens) plus eval.generate.max_new_tokens="
+            f"{generate.max_new_tokens:,} is more than the {positions:,} positions of {recipe.model.name_or_path}; "
+            f"lower max_new_tokens to {positions - longest:,} or less, or evaluate on shorter prompts"
+        )
+    return GenerationEval(generate, data.prompts, tokenizer)
 
 
 def setup_accelerator(recipe: RecipeConfig) -> tuple[Accelerator, Policy, str | None]:

@@ -24,7 +24,14 @@ EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # Dotted overrides may also come after the options (argparse gives a positional list only its first run).
+    misplaced = [arg for arg in extra if arg.startswith("-") or "=" not in arg or not hasattr(args, "overrides")]
+    if misplaced:
+        parser.error(f"unrecognized arguments: {' '.join(misplaced)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if getattr(args, "verbose", False):
         os.environ[quiet.VERBOSE] = "1"

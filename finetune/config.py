@@ -154,8 +154,9 @@ class DataConfig:
     inference formats prompts the way training did."""
 
     train_on_reasoning: bool = True
-    """Chat data: take loss on the reasoning of assistant replies (a `reasoning_content` field, or a
-    leading <think> block); False keeps it in the text as context only. The log counts reasoning tokens."""
+    """Take loss on the reasoning of replies (a `reasoning_content` field, or a leading <think> block, in
+    conversations and text completions or pairs); False keeps it in the text as context only. The log counts
+    reasoning tokens. Not for online RL, which trains what it samples."""
 
     multi_turn: Literal["full", "per_turn", "last"] = "full"
     """Chat data: train every assistant reply of a conversation in one sample (full), only its last
@@ -582,8 +583,8 @@ class RewardConfig:
     weight: float = 1.0
     """The reward's weight in the sum that is normalized into advantages."""
 
-    column: str = "answer"
-    """exact_match: the column holding each prompt's reference answer."""
+    column: str | None = None
+    """exact_match: the column holding each prompt's reference answer; unset: `answer`."""
 
     pattern: str | None = None
     """regex: the regular expression a completion must match whole (`re.fullmatch`, `.` matching newlines);
@@ -606,6 +607,19 @@ class RewardConfig:
             )
         if self.function == "regex" and not self.pattern:
             errors.append("rl.rewards: function=regex needs a pattern, the regular expression completions must match")
+        if self.function not in BUILTIN_REWARDS:
+            given = [name for name in ("column", "pattern") if getattr(self, name) is not None]
+            if given:
+                errors.append(
+                    f"rl.rewards: {self.function} is a function of your own, and {' and '.join(given)} apply to the "
+                    "built-ins only (nothing would read them); remove them, and read the data's columns in the "
+                    "function (they come as keyword arguments)"
+                )
+        elif self.function == "regex" and self.column is not None:
+            errors.append(
+                "rl.rewards: function=regex matches the completion against its pattern and reads no column; remove "
+                "column (exact_match compares with a column)"
+            )
         if self.pattern is not None:
             try:
                 re.compile(self.pattern)
@@ -764,6 +778,20 @@ class RecipeConfig:
                           f"{self.data.format}; set data.format=auto")  # fmt: skip
         if self.data.packing:
             errors.append("an rl section trains on the completions it samples, in padded rows; set data.packing=false")
+        # Settings of how supervised data is trained, which no sampled completion can honour: refused, not ignored.
+        ignored = [
+            f"{name}={str(value).lower() if isinstance(value, bool) else value}" for name, value, default in (
+                ("train_on_reasoning", self.data.train_on_reasoning, True),
+                ("completion_only_loss", self.data.completion_only_loss, True),
+                ("multi_turn", self.data.multi_turn, "full"),
+            ) if value != default
+        ]  # fmt: skip
+        if ignored:
+            errors.append(
+                f"data.{', data.'.join(ignored)} set how supervised replies train; an rl section trains every token "
+                "of the completions it samples (their reasoning included) and never the prompt, so remove "
+                f"{'them' if len(ignored) > 1 else 'it'}"
+            )
         if self.data.max_length <= rl.max_new_tokens:
             errors.append(
                 f"data.max_length={self.data.max_length} (prompt plus completion) leaves no room for prompts after "

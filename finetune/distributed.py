@@ -38,6 +38,7 @@ from finetune import sequence
 from finetune.errors import FinetuneError
 from finetune.launch import Launch, check_hybrid_shard_group, hybrid_replicas
 from finetune.memory import dtype_name
+from finetune.sequence import launched_size as launched_sequence_size
 from finetune.wrap import fsdp_units, local_tensor
 
 T = TypeVar("T")
@@ -162,7 +163,7 @@ def mesh_sizes() -> MeshSizes | None:
     world = launched_world_size()
     sizes = {
         name: int(os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1"))
-        for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+        for name in ("dp_replicate", "dp_shard", "tp", "cp")
     }
     if sizes["tp"] * sizes["cp"] != 1:
         raise FinetuneError(
@@ -171,14 +172,17 @@ def mesh_sizes() -> MeshSizes | None:
             "take, and has no CPU kernel; for long rows parallelism_config_sp_size splits each row over that many "
             "processes, packing intact)"
         )
-    sequence = sizes["sp"]
+    sequence = launched_sequence_size()  # checked: a whole number >= 1
     if world % sequence:
         raise FinetuneError(
             f"parallelism_config_sp_size={sequence} does not divide the {world} launched processes into whole "
             "sequence groups; launch a multiple of it (or set sp_size to a divisor of the process count)"
         )
     shard, replicate = sizes["dp_shard"], sizes["dp_replicate"]
-    if sequence > 1 and shard == 1 and replicate == 1:
+    if shard == 1 and replicate == 1 and sequence == 1:  # every size 1 asks for nothing: no mesh of its own
+        del os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"]
+        return None
+    if shard == 1 and replicate == 1:  # sequence groups alone
         return MeshSizes(1, world // sequence, sequence)
     replicate, tiles = hybrid_replicas(shard, replicate, world // sequence)
     if not tiles:
@@ -454,6 +458,29 @@ def equal_share(total: int, world: int, rank: int) -> tuple[list[int], int]:
     mine = list(range(rank, total, world))
     own = len(mine)
     return mine + [mine[-1] if mine else 0] * (-(-total // world) - own), own
+
+
+def raised_together(accelerator: Accelerator, attempt: Callable[..., T], *args: Any) -> T:
+    """`attempt(*args)` on every process, failing on all of them when it fails on one (a collective: every process
+    calls it). A user error on one process would otherwise leave the others waiting in their next collective
+    until it exits, and their lost-peer traceback, not its message, would be what the user reads: each process
+    raises the message of the first process that failed, naming it."""
+    error: FinetuneError | None = None
+    try:
+        result = attempt(*args)
+    except FinetuneError as exc:
+        error = exc
+    if accelerator.num_processes > 1:
+        failed = torch.tensor([float(error is not None)], device=accelerator.device)
+        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+        if failed.item():
+            messages: list[str | None] = [None] * accelerator.num_processes
+            torch.distributed.all_gather_object(messages, None if error is None else str(error))
+            rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
+            raise FinetuneError(f"{message} (on process {rank})") from error
+    if error is not None:
+        raise error
+    return result
 
 
 def lost_peer(exc: BaseException) -> bool:

@@ -30,6 +30,13 @@ def imported(name: str, setting: str, what: str) -> Any:
             f"{setting}={name} cannot be imported ({first_line(exc)}); name a module on the Python path and "
             f"{what} in it as module:attribute"
         ) from None
+    except Exception as exc:  # the module itself fails: a syntax error, or an exception while it runs
+        where = f" ({exc.filename}, line {exc.lineno})" if isinstance(exc, SyntaxError) else ""
+        message = exc.msg if isinstance(exc, SyntaxError) else first_line(exc)
+        raise FinetuneError(
+            f"{setting}={name}: importing {module} failed with {type(exc).__name__}: {message}{where}; fix the "
+            f"module (python -c 'import {module}' shows the traceback)"
+        ) from None
     if not callable(found):
         raise FinetuneError(f"{setting}={name} is not callable; name {what} as module:attribute")
     return found

@@ -115,6 +115,12 @@ def read_launch(
             f"accelerate config {config_path} sets fsdp_version: {fsdp_version}; FSDP comes in versions 1 and 2: "
             "use 2 (accelerate_configs/fsdp2_full_shard.yaml)"
         )
+    sequence = (raw.get("parallelism_config") or {}).get("parallelism_config_sp_size", 1)
+    if isinstance(sequence, bool) or not isinstance(sequence, int) or sequence < 1:
+        raise FinetuneError(
+            f"accelerate config {config_path} sets parallelism_config_sp_size: {sequence!r}; it is the number of "
+            "processes each row is split over, a whole number >= 1 (1: no sequence parallelism)"
+        )
     wrap = wrap_classes if wrap_classes is not None else fsdp.get("fsdp_transformer_layer_cls_to_wrap") or ""
     launch = Launch(
         config_path=config_path,
@@ -132,7 +138,7 @@ def read_launch(
         wrap_policy=str(fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")),
         wrap_classes=tuple(name.strip() for name in str(wrap).split(",") if name.strip()),
         state_dict_type=str(fsdp.get("fsdp_state_dict_type", default_state_dict_type(fsdp_version))),
-        sequence_parallel=int((raw.get("parallelism_config") or {}).get("parallelism_config_sp_size", 1)),
+        sequence_parallel=sequence,
     )
     problems = launch_problems(launch, raw, environ, for_launch)
     if problems:
@@ -192,8 +198,8 @@ def hybrid_replicas(shard: int, replicate: int, processes: int) -> tuple[int, bo
 def _hybrid_shard_size(raw: dict) -> int | None:
     parallelism = raw.get("parallelism_config") or {}
     shard = parallelism.get("parallelism_config_dp_shard_size")
-    if shard is None and parallelism.get("parallelism_config_sp_size", 1) != 1:
-        return None  # sequence groups alone: every process shards the model
+    if shard is None and set(parallelism) <= {"parallelism_config_sp_size"}:
+        return None  # sequence groups alone (or sp_size 1, none): every process shards the model
     return int(shard or 1) if parallelism else None
 
 

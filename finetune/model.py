@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from finetune import attention as varlen
 from finetune.config import ModelConfig
@@ -347,9 +349,55 @@ def with_overrides(config: PretrainedConfig, overrides: dict[str, Any]) -> Pretr
             f"model.config_overrides sets {', '.join(hints)}, which the {config.model_type} config does not have; "
             "name settings of its config.json"
         )
+    if not overrides:
+        return config
+    before = copy.deepcopy(config)
     for name, value in overrides.items():
         setattr(config, name, value)
+    _check_overridden(before, config, ", ".join(overrides))
     return config
+
+
+def _check_overridden(before: PretrainedConfig, after: PretrainedConfig, names: str) -> None:
+    """Overrides that make a config transformers cannot build (found here, not as a KeyError in the middle of
+    loading), or one whose weights have other shapes than the checkpoint's (transformers would load it with those
+    weights initialized at random, and say so in a report few read)."""
+    for parameters in _rope_parameter_sets(after.get_text_config()):
+        rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+            raise FinetuneError(
+                f"model.config_overrides: rope_type {rope_type!r} is not a RoPE type transformers knows (default, "
+                f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}); fix the override"
+            )
+    try:
+        after.validate()
+    except Exception as exc:  # transformers' validators raise ValueError, KeyError or their own error type
+        reason = " ".join(str(exc).split()).removeprefix("Class validation error for validator")
+        raise FinetuneError(
+            f"model.config_overrides ({names}) make a config transformers refuses ({reason.strip()}); fix them"
+        ) from None
+    try:
+        shapes = [{n: tuple(p.shape) for n, p in meta_model(c).named_parameters()} for c in (before, after)]
+    except Exception:  # an architecture transformers cannot build alone (remote code): loading will say why
+        return
+    changed = sorted(n for n in shapes[0].keys() | shapes[1].keys() if shapes[0].get(n) != shapes[1].get(n))
+    if changed:
+        raise FinetuneError(
+            f"model.config_overrides ({names}) change the shapes of the model's weights ({changed[0]}"
+            f"{f' and {len(changed) - 1} more' if len(changed) > 1 else ''}), so the checkpoint's weights would not "
+            "fit (dropped, or initialized at random); override settings that keep every weight's shape (RoPE, "
+            "positions, dropout), or train a model of that shape from its own checkpoint"
+        )
+
+
+def _rope_parameter_sets(config: PretrainedConfig) -> list[dict[str, Any]]:
+    """The RoPE settings of a config: one dict, or one per layer type (models with sliding and full attention)."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(parameters, dict):
+        return []
+    if all(isinstance(value, dict) for value in parameters.values()) and parameters:
+        return list(parameters.values())
+    return [parameters]
 
 
 def meta_model(config: PretrainedConfig) -> PreTrainedModel:

@@ -373,8 +373,21 @@ def parse_memory(text: str) -> int:
     return size
 
 
+def refuse_launch(recipe: RecipeConfig, launch: Launch) -> None:
+    """What keeps this recipe from training on this launch at all (an rl run split over sequence groups, FSDP1
+    where only FSDP2 serves), refused as training would refuse it: no plan for a launch that cannot run."""
+    problems = recipe_launch_problems(
+        recipe, fsdp_version=launch.fsdp_version if launch.strategy != "ddp" else 0,
+        rank_zero_loading=launch.cpu_ram_efficient_loading, state_dict_type=launch.state_dict_type,
+        sequence_parallel=launch.sequence_parallel,
+    )  # fmt: skip
+    if problems:
+        raise FinetuneError(f"cannot train with {launch.config_path}: " + "; ".join(problems))
+
+
 def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     """The report: a table per strategy and a verdict for the configured one."""
+    refuse_launch(recipe, launch)
     shape = model_shape(planned_model(recipe))
     estimates = {strategy: estimate(shape, recipe, launch, strategy) for strategy in STRATEGIES}
     largest = max(e.device_total("none") for e in estimates.values())
@@ -519,13 +532,7 @@ def check(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     meta device from its config, its wrap classes are found in it, and the memory plan is given.
     Problems raise FinetuneError; a plan that does not fit is reported, not refused (it is an estimate).
     """
-    problems = recipe_launch_problems(
-        recipe, fsdp_version=launch.fsdp_version if launch.strategy != "ddp" else 0,
-        rank_zero_loading=launch.cpu_ram_efficient_loading, state_dict_type=launch.state_dict_type,
-        sequence_parallel=launch.sequence_parallel,
-    )  # fmt: skip
-    if problems:
-        raise FinetuneError(f"cannot train with {launch.config_path}: " + "; ".join(problems))
+    refuse_launch(recipe, launch)
     check_attention(recipe.model)
     check_packing(recipe.model, recipe.data.packing)
     check_quantized_base(recipe.model, adapters=recipe.peft is not None, export_merged=recipe.output.export_merged)

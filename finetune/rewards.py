@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,9 @@ from finetune.errors import FinetuneError, first_line, imported
 
 ARGUMENTS = ("prompts", "completions", "completion_ids")
 """What every reward function is given besides the data's columns."""
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+"""Rewards are summed and normalized in float32: a larger value would become infinite there."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,8 @@ def build_rewards(configs: list[RewardConfig]) -> list[Reward]:
     rewards = []
     for cfg in configs:
         if cfg.function == "exact_match":
-            rewards.append(Reward(cfg.name, cfg.weight, _exact_match(cfg), cfg.column))
+            column = cfg.column or "answer"
+            rewards.append(Reward(cfg.name, cfg.weight, _exact_match(column, cfg.pattern), column))
         elif cfg.function == "regex":
             rewards.append(Reward(cfg.name, cfg.weight, _regex(cfg.pattern or ""), None))
         else:
@@ -60,7 +65,15 @@ def build_rewards(configs: list[RewardConfig]) -> list[Reward]:
 
 
 def check_columns(rewards: list[Reward], columns: Sequence[str], where: str) -> None:
-    """A built-in's column, or a function's required keyword argument, missing from the data."""
+    """A built-in's column, or a function's required keyword argument, missing from the data; a column named like
+    an argument every function is given."""
+    clashing = [name for name in ARGUMENTS if name in columns]
+    if clashing:
+        raise FinetuneError(
+            f"{where} has a column named {', '.join(clashing)}, as the argument{'s' * (len(clashing) > 1)} every "
+            f"reward function is given; rename {'them' if len(clashing) > 1 else 'it'} with the source's columns "
+            "mapping (e.g. columns: {" + f"{clashing[0]}_given: {clashing[0]}" + "})"
+        )
     for reward in rewards:
         if reward.column is not None and reward.column not in columns:
             raise FinetuneError(
@@ -94,20 +107,51 @@ def score(
                 f"rl.rewards: {reward.name} raised {type(exc).__name__}: {first_line(exc)}; fix the function (it is "
                 "called with prompts, completions, completion_ids and the data's columns as keyword arguments)"
             ) from exc
-        values = list(values) if values is not None else []
-        if len(values) != len(completions):
-            raise FinetuneError(
-                f"rl.rewards: {reward.name} returned {len(values)} values for {len(completions)} completions; return "
-                "one float (or None) per completion"
-            )
+        values = _values(values, reward.name, len(completions))
         for i, value in enumerate(values):
-            if value is not None and not (isinstance(value, int | float) and math.isfinite(value)):
-                raise FinetuneError(
-                    f"rl.rewards: {reward.name} returned {value!r} for completion {i}; return a finite float, or None "
-                    "to leave a completion unscored"
-                )
-            scores[i, n] = math.nan if value is None else float(value)
+            scores[i, n] = _value(value, reward.name, i)
     return scores
+
+
+def _values(values: Any, name: str, count: int) -> list[Any]:
+    """What a reward function returned, as one value per completion (a list, tuple, array or tensor of them)."""
+    if (
+        isinstance(values, str | bytes | Mapping)
+        or not isinstance(values, Iterable)
+        or getattr(values, "ndim", 1) != 1
+    ):
+        raise FinetuneError(
+            f"rl.rewards: {name} returned {_shown(values)}, not a list; return a list of one float (or None) per "
+            f"completion ({count} here)"
+        )
+    values = list(values)
+    if len(values) != count:
+        raise FinetuneError(
+            f"rl.rewards: {name} returned {len(values)} values for {count} completions; return one float (or None) "
+            "per completion"
+        )
+    return values
+
+
+def _value(value: Any, name: str, index: int) -> float:
+    """One completion's reward as float32 takes it: any real number (Python's, numpy's, a 0-d array or tensor),
+    or NaN for None (not scored)."""
+    if value is None:
+        return math.nan
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, numbers.Real) and math.isfinite(value) and abs(value) <= FLOAT32_MAX:
+        return float(value)
+    too_large = isinstance(value, numbers.Real) and math.isfinite(value)
+    raise FinetuneError(
+        f"rl.rewards: {name} returned {_shown(value)} for completion {index}; return a finite real number"
+        f"{f' within float32 range (±{FLOAT32_MAX:.3g})' if too_large else ''}, or None to leave a completion unscored"
+    )
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
 
 
 def completion_text(completion: Any) -> str:
@@ -117,17 +161,20 @@ def completion_text(completion: Any) -> str:
     return str(completion)
 
 
-def _exact_match(cfg: RewardConfig) -> Callable[..., list[float]]:
-    column, pattern = cfg.column, re.compile(cfg.pattern, re.DOTALL) if cfg.pattern else None
+def _exact_match(column: str, pattern_text: str | None) -> Callable[..., list[float | None]]:
+    pattern = re.compile(pattern_text, re.DOTALL) if pattern_text else None
 
-    def exact_match(completions: list[Any], **columns: list[Any]) -> list[float]:
+    def exact_match(completions: list[Any], **columns: list[Any]) -> list[float | None]:
         scores = []
         for completion, reference in zip(completions, columns[column], strict=True):
             text = completion_text(completion)
             if pattern is not None:
                 found = pattern.findall(text)
                 text = (found[-1][0] if isinstance(found[-1], tuple) else found[-1]) if found else None
-            scores.append(float(text is not None and text.strip() == str(reference).strip()))
+            if reference is None:  # no answer to compare with: unscored, not wrong
+                scores.append(None)
+            else:
+                scores.append(float(text is not None and text.strip() == str(reference).strip()))
         return scores
 
     return exact_match

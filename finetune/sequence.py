@@ -34,6 +34,7 @@ from accelerate import Accelerator
 
 from finetune.attention import cumulative_lengths
 from finetune.batch import IGNORE, Batch, kept_positions
+from finetune.errors import FinetuneError
 
 MESH_DIM = "cp"
 """The sequence group's dimension in accelerate's mesh (see the module's docstring for why this name)."""
@@ -47,7 +48,13 @@ def launched_size(environ: Mapping[str, str] = os.environ) -> int:
     environment."""
     if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
         return 1
-    return int(environ.get("PARALLELISM_CONFIG_SP_SIZE", "1"))
+    size = environ.get("PARALLELISM_CONFIG_SP_SIZE", "1")
+    if not size.isdigit() or int(size) < 1:
+        raise FinetuneError(
+            f"parallelism_config_sp_size={size}: it is the number of processes each row is split over, a whole "
+            "number >= 1 (1: no sequence parallelism); fix the accelerate config"
+        )
+    return int(size)
 
 
 def model_problems(config: Any, size: int) -> list[str]:

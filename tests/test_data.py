@@ -62,6 +62,18 @@ def test_prompt_completion_trains_completion_and_eos(tokenizer):
     assert all(trained_all)
 
 
+def test_a_text_completions_think_block_is_reasoning_kept_as_context_when_asked(tokenizer):
+    cfg = DataConfig(train_path="x", max_length=64, packing=False, train_on_reasoning=False)
+    rows = [{"prompt": "reverse: 3 4", "completion": "<think>swap</think> 4 3"}, {"prompt": "p", "completion": " q"}]
+    kept, stats = prepare_split(datasets.Dataset.from_list(rows), tokenizer, cfg, 0)
+    by_prompt = {tokenizer.decode(row["input_ids"]).split("<think>")[0]: row for row in kept}
+    row = by_prompt["reverse: 3 4"]
+    assert tokenizer.decode([t for t in row["target_ids"] if t != IGNORE]) == "<think></think> 4 3<|end|>"
+    assert "swap" in tokenizer.decode(row["input_ids"]) and stats.num_reasoning_tokens == len(
+        tokenizer("swap", add_special_tokens=False)["input_ids"]
+    )
+
+
 def test_text_trains_everything_and_ends_with_eos(tokenizer):
     [(ids, trained)] = encode_texts(["1 2 3"], tokenizer)
     assert all(trained) and ids[-1] == tokenizer.eos_token_id

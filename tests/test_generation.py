@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 
 from finetune.config import DataConfig, GenerateConfig, load_recipe
 from finetune.data.prompts import generation_prompts
+from finetune.data.sources import numbered
 from finetune.errors import FinetuneError
 
 
@@ -47,11 +48,42 @@ def test_prompts_are_conversations_up_to_their_last_reply_or_prompts_of_completi
         generation_prompts([text], tokenizer, data, GenerateConfig())
 
 
+def test_samples_without_a_reference_are_refused_and_the_columns_named_are_the_datas(tokenizer):
+    """An empty reference is in every completion (contains scored 100%) and a null one compared as "None"."""
+    data = DataConfig(train_path="unused", max_length=128)
+    rows = [{"prompt": "reverse 1 2", "answer": "2 1"}, {"prompt": "reverse 3 4", "answer": ""}]
+    for metric in ("contains", "exact_match"):
+        with pytest.raises(FinetuneError, match=r"eval sample 1 has no reference to score against \(answer is ''\)"):
+            generation_prompts([numbered(datasets.Dataset.from_list(rows))], tokenizer, data,
+                               GenerateConfig(column="answer", metric=metric))  # fmt: skip
+    nulls = datasets.Dataset.from_list([rows[0], {"prompt": "reverse 5 6", "answer": None}])
+    with pytest.raises(FinetuneError, match=r"eval sample 1 has no reference to score against \(answer is None\)"):
+        generation_prompts([nulls], tokenizer, data, GenerateConfig(column="answer"))
+    with pytest.raises(FinetuneError, match=r"is not a column of the eval data \(prompt, answer\); name one"):
+        generation_prompts([numbered(nulls)], tokenizer, data, GenerateConfig(column="solution"))
+
+
 def test_generation_needs_eval_data_and_prompts_of_its_own():
     with pytest.raises(FinetuneError, match="there is no eval data; set data.eval_path"):
         load_recipe(DEMO_RECIPE, ["data.eval_path=null", "eval.generate.samples=10"])
     with pytest.raises(FinetuneError, match="eval.generate.max_new_tokens must be >= 1"):
         load_recipe(DEMO_RECIPE, ["eval.generate.max_new_tokens=0"])
+
+
+def test_generation_past_the_models_positions_is_refused_before_training(demo_assets, tmp_path):
+    import types
+
+    from finetune.build import setup_generation
+    from finetune.generation import Prompt
+
+    overrides = recipe_overrides(demo_assets, tmp_path, **{"eval.generate.max_new_tokens": 250})
+    recipe = load_recipe(DEMO_RECIPE, overrides)  # the demo model has 256 positions
+    data = types.SimpleNamespace(prompts=[Prompt([1] * 4, "a"), Prompt([1] * 9, "b")])
+    message = r"longest eval prompt \(9 tokens\) plus eval.generate.max_new_tokens=250 is more than the 256 positions"
+    with pytest.raises(FinetuneError, match=message + r" of .*; lower max_new_tokens to 247 or less"):
+        setup_generation(recipe, data, None)
+    recipe.eval.generate.max_new_tokens = 247
+    assert setup_generation(recipe, data, None).prompts == data.prompts
 
 
 # ---- Real runs: a partly trained demo model answers 200 held-out lists on 1 process, 2, and 2 in a sequence group.

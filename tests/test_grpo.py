@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import os
 import shutil
 import types
 
@@ -16,7 +17,7 @@ from safetensors.torch import load_file
 
 from finetune.config import RewardConfig, RLConfig, load_recipe
 from finetune.errors import FinetuneError
-from finetune.objectives.grpo import advantages, summed_loss, token_losses
+from finetune.objectives.grpo import GRPO, advantages, summed_loss, token_losses
 from finetune.rewards import build_rewards, check_columns, score
 
 GRPO_RECIPE = REPO / "recipes" / "demo" / "tiny_llama_grpo.yaml"
@@ -100,21 +101,26 @@ def _trl_advantages(rewards_per_function, weights, generations, scale):
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_advantages_equal_trl(scale):
     torch.manual_seed(1)
-    per_function = torch.rand(12, 2).round()
+    per_function = torch.rand(16, 2).round()
     per_function[0:4, 0] = 1.0  # a group whose rewards are all equal
     per_function[0:4, 1] = 0.0
+    per_function[4:8, 0] = torch.tensor([1.0, 0.0, 1.0, 0.0])  # a group whose rewards differ
     per_function[5, :] = math.nan  # unscored by every function: no reward, advantage 0
     per_function[6, 1] = math.nan  # unscored by one
+    per_function[8:11, :] = math.nan  # a group with one scored completion: nothing to compare it with
+    per_function[12:16, 0] = torch.tensor([0.0, 1.0, 1.0, 1.0])
     weights = torch.tensor([1.0, 0.5])
 
     def moments(values):  # one process: its own sums
         return values
 
-    ours, _, equal = advantages(per_function, weights, 4, scale, moments)
-    expected, expected_equal = _trl_advantages(per_function, weights, 4, scale)
+    ours, _, no_signal = advantages(per_function, weights, 4, scale, moments)
+    expected, _ = _trl_advantages(per_function, weights, 4, scale)
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
-    assert torch.equal(equal, expected_equal)
-    assert ours[5] == 0 and (scale == "batch" or (ours[:4] == 0).all())
+    # Whatever divides the advantages, a group teaches nothing when its scored rewards are equal or fewer than two
+    # (TRL counts the second kind as signal: its std is NaN, not 0).
+    assert no_signal.view(4, 4)[:, 0].tolist() == [True, False, True, False]
+    assert ours[5] == 0 and (scale == "batch" or (ours[:4] == 0).all()) and (ours[8:12] == 0).all()
 
 
 # ---- Rewards: built-ins, functions of your own, and every way a reward can be wrong.
@@ -173,13 +179,104 @@ def test_a_reward_that_cannot_be_called_is_refused_before_anything_loads(functio
         build_rewards([RewardConfig(function=function)])
 
 
-def test_a_reward_returning_the_wrong_count_or_nan_is_refused():
+def float_reward(completions, **kwargs):
+    return 0.5
+
+
+def huge_reward(completions, **kwargs):
+    return [1e39] * len(completions)
+
+
+def numpy_reward(completions, **kwargs):
+    import numpy
+
+    return [numpy.float32(0.25), numpy.int64(1), torch.tensor(2.0), numpy.float64(0.5), True][: len(completions)]
+
+
+def test_a_reward_returning_the_wrong_count_kind_or_size_is_refused_and_any_real_number_taken():
     (short,) = build_rewards([RewardConfig(function="test_grpo:short_reward")])
     with pytest.raises(FinetuneError, match="returned 1 values for 2 completions; return one float"):
         score([short], ["p", "q"], ["a", "b"], [[1], [2]], {})
     (nan,) = build_rewards([RewardConfig(function="test_grpo:nan_reward")])
-    with pytest.raises(FinetuneError, match="returned nan for completion 0; return a finite float, or None"):
+    with pytest.raises(FinetuneError, match="returned float nan for completion 0; return a finite real number, or"):
         score([nan], ["p"], ["a"], [[1]], {})
+    (bare,) = build_rewards([RewardConfig(function="test_grpo:float_reward")])
+    with pytest.raises(FinetuneError, match=r"float_reward returned float 0.5, not a list; return a list of one"):
+        score([bare], ["p"], ["a"], [[1]], {})
+    (huge,) = build_rewards([RewardConfig(function="test_grpo:huge_reward")])
+    with pytest.raises(FinetuneError, match=r"returned float 1e\+39 for completion 0; .* within float32 range"):
+        score([huge], ["p"], ["a"], [[1]], {})
+    (real,) = build_rewards([RewardConfig(function="test_grpo:numpy_reward")])  # TRL takes any real number
+    scores = score([real], list("abcde"), list("abcde"), [[1]] * 5, {})
+    assert scores[:, 0].tolist() == [0.25, 1.0, 2.0, 0.5, 1.0]
+
+
+SEEN = {}
+
+
+def seen_reward(prompts, completions, **kwargs):
+    SEEN.update(prompts=prompts, completions=completions)
+    return [1.0] * len(completions)
+
+
+def none_reward(completions, **kwargs):
+    return [None] * len(completions)
+
+
+def test_a_reward_that_scores_nothing_gives_no_signal_is_logged_absent_and_warned_once_a_window(capsys):
+    """A function returning None for every completion: no group has two scored completions, so none carries signal;
+    the window logs no reward (0 would read as one) and says why on one line."""
+    from finetune.objectives.grpo import _Window
+
+    (nothing,) = build_rewards([RewardConfig(function="test_grpo:none_reward")])
+    per_function = score([nothing], ["p"] * 8, ["a"] * 8, [[1]] * 8, {})
+    _, rewards, no_signal = advantages(per_function, torch.tensor([1.0]), 4, "group")
+    assert no_signal.all()
+    window = _Window(("none_reward",))
+    window.add_rollout(rewards, per_function, [3] * 8, [False] * 8, no_signal, 4, 0.1)
+    accelerator = types.SimpleNamespace(device=torch.device("cpu"), num_processes=1, reduce=lambda t, _: t,
+                                        print=print)  # fmt: skip
+    values = window.metrics(accelerator, beta=0.0)
+    assert "reward" not in values and "rewards/none_reward/mean" not in values and values["frac_reward_zero_std"] == 1
+    printed = capsys.readouterr().out
+    assert "warning: none of the 2 prompts since the last log had completions whose rewards differ" in printed
+    assert "warning: rl.rewards: none_reward scored none of the 8 completions since the last log" in printed
+    window.add_rollout(rewards, per_function, [16] * 8, [True] * 8, no_signal, 4, 0.1)
+    window.metrics(accelerator, beta=0.0)
+    assert "every completion since the last log (8) was cut at rl.max_new_tokens" in capsys.readouterr().out
+
+
+def test_reward_settings_nothing_reads_are_refused():
+    for reward, message in [
+        ("{function: test_grpo:good_reward, pattern: 'x'}", "good_reward is a function of your own, and pattern"),
+        ("{function: test_grpo:good_reward, column: solution}", "and column apply to the built-ins only"),
+        ("{function: regex, pattern: 'x', column: answer}", "function=regex matches the completion against its"),
+    ]:
+        with pytest.raises(FinetuneError, match=message):
+            load_recipe(GRPO_RECIPE, [f"rl.rewards=[{reward}]"])
+    recipe = load_recipe(GRPO_RECIPE, ["rl.rewards=[{function: exact_match}]"])
+    (exact,) = build_rewards(recipe.rl.rewards)
+    assert exact.column == "answer"  # the default column, checked against the data as any
+    with pytest.raises(FinetuneError, match="has a column named completions, as the argument every reward"):
+        check_columns([exact], ["prompt", "answer", "completions"], "the data")
+    # A null answer leaves the completion unscored (str(None) is no answer to compare with).
+    assert math.isnan(score([exact], ["p"], ["None"], [[1]], {"answer": [None]}).item())
+
+
+def test_a_reward_module_that_fails_to_import_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "broken_syntax.py").write_text("def reward(completions, **kw):\n    return [1.0 for c in x\n")
+    (tmp_path / "raises_at_import.py").write_text("raise RuntimeError('no API key')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(FinetuneError, match=r"importing broken_syntax failed with SyntaxError: .* line 2\); fix"):
+        build_rewards([RewardConfig(function="broken_syntax:reward")])
+    with pytest.raises(FinetuneError, match="importing raises_at_import failed with RuntimeError: no API key; fix"):
+        build_rewards([RewardConfig(function="raises_at_import:reward")])
+
+
+def test_data_settings_an_rl_run_cannot_honour_are_refused():
+    for override in ("data.train_on_reasoning=false", "data.completion_only_loss=false", "data.multi_turn=last"):
+        with pytest.raises(FinetuneError, match=f"{override} set how supervised replies train; an rl section"):
+            load_recipe(GRPO_RECIPE, [override])
 
 
 # ---- The recipe: settings a run cannot honour are refused at load.
@@ -331,6 +428,33 @@ def _grpo(
     return LaunchedRun(result, output_dir)
 
 
+@pytest.mark.multiprocess
+def test_a_reward_that_fails_on_one_process_stops_every_process_with_its_message(tmp_path, demo_assets):
+    """The others no longer wait in their next collective and end in a lost-peer traceback: every process raises
+    the failing one's message, which rank 0 prints once."""
+    (tmp_path / "one_sided.py").write_text(
+        "import os\n\n\ndef reward(completions, **kwargs):\n"
+        "    if os.environ['RANK'] == '1':\n        raise ValueError('the grader is down')\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    overrides = {
+        "model.name_or_path": demo_assets / "base", "data.train_path": demo_assets / "data" / "prompts_train.jsonl",
+        "data.eval_path": "null", "eval.generate": "null", "output.dir": tmp_path / "out", "output.trackers": "[]",
+        "train.max_steps": 2, "train.micro_batch_size": 2, "rl.num_generations": 2, "rl.max_new_tokens": 4,
+        "rl.rewards": "[{function: one_sided:reward}]",
+    }  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    result = launch("fsdp2_full_shard.yaml", [f"{k}={v}" for k, v in overrides.items()], recipe=GRPO_RECIPE, env=env)
+    assert result.returncode != 0
+    assert (
+        "finetune: error: rl.rewards: reward raised ValueError: the grader is down; fix the function"
+        in (result.stderr)
+        and "(on process 1)" in result.stderr
+    ), result.stderr[-4000:]
+    # What the launcher prints after (torch elastic's ChildFailedError) is outside finetune's processes.
+    assert "finetune/" not in result.stderr and "[rank0]: Traceback" not in result.stderr, result.stderr[-4000:]
+
+
 @pytest.fixture(scope="module")
 def grpo_runs(tmp_path_factory, demo_assets, partly_trained) -> tuple[LaunchedRun, LaunchedRun]:
     one = _grpo(tmp_path_factory, demo_assets, partly_trained, "grpo1", 1)
@@ -438,5 +562,58 @@ def test_prompts_are_tokenized_checked_and_kept_with_their_columns(demo_assets):
     ].tolist() == [0]
     with pytest.raises(FinetuneError, match="compares with column 'answer', which the training data lacks"):
         samples.prepare([(None, datasets.Dataset.from_list([{"prompt": "p", "solution": "s"}]))], tokenizer, data, 0)
+
+
+def test_every_prompt_is_checked_when_read_and_a_prefill_is_continued(demo_assets, tmp_path):
+    import datasets
+    from transformers import AutoTokenizer
+
+    from finetune.config import DataConfig, SourceConfig
+    from finetune.data.prompt_only import PromptOnly
+    from finetune.data.sources import numbered
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_assets / "base")
+    samples = PromptOnly(8, lambda columns, where: None)
+    data = DataConfig(train_path="prompts.jsonl", max_length=48, packing=False)
+    source = SourceConfig(path="prompts.jsonl")
+
+    def prepare(rows, cfg=data):
+        return samples.prepare([(source, numbered(datasets.Dataset.from_list(rows)))], tokenizer, cfg, seed=0)
+
+    good = {"prompt": "reverse: 1 2", "answer": "2 1"}
+    chat = {"prompt": [{"role": "user", "content": "reverse: 1 2"}], "answer": "2 1"}
+    for rows, message in [
+        ([good, {"prompt": "", "answer": "x"}], r"sample 1: the prompt is empty \(''\): there is nothing to answer"),
+        ([chat, {"prompt": [], "answer": "x"}], "sample 1: messages must be a non-empty list"),
+        ([chat, {"prompt": [{"role": None, "content": "hi"}], "answer": "x"}], "sample 1, message 0: expected an"),
+        ([{"prompt": {"text": "p"}, "answer": "x"}], "sample 0: the prompt is dict .*; give each prompt as text or"),
+        ([{"prompt": None, "answer": "x"}], "sample 0: the prompt is NoneType None; give each prompt as text or"),
+    ]:
+        with pytest.raises(FinetuneError, match=f"data.train_path prompts.jsonl: {message}"):
+            prepare(rows)
+    # data.invalid=drop: a bad prompt left out and counted, as supervised samples are; past 1%, the run stops.
+    drop = DataConfig(**{**vars(data), "invalid": "drop"})
+    kept, stats = prepare([good] * 150 + [{"prompt": "", "answer": "x"}] + [good] * 49, drop)
+    assert len(kept) == stats.num_prompts == 199 and stats.num_invalid == 1
+    first = "1 invalid dropped (first: data.train_path prompts.jsonl: sample 150: the prompt is empty"
+    assert first in stats.describe("train")
+    with pytest.raises(FinetuneError, match="3 of its 200 samples are invalid"):
+        prepare([good] * 197 + [{"prompt": "", "answer": "x"}] * 3, drop)
+    # A conversation that ends with the assistant's words is continued from them, as TRL does (no new turn).
+    prefill = [{"role": "user", "content": "reverse: 1 2"}, {"role": "assistant", "content": "2"}]
+    kept, _ = prepare([{"prompt": prefill, "answer": "2 1"}])
+    text = tokenizer.decode(kept[0]["prompt_ids"])
+    assert text.endswith("<|assistant|>2") and text.count("<|assistant|>") == 1
+    # The reward sees the prefill as the start of the reply, and the prompt without it (TRL's bootstrap).
+    objective = GRPO(RLConfig(rewards=[]), None, build_rewards([RewardConfig(function="test_grpo:seen_reward")]),
+                     tokenizer, seed=0, reference="none")  # fmt: skip
+    batch = {"columns": {"prompt": [prefill], "answer": ["2 1"]}}
+    objective._score([batch], [tokenizer(" 1<|end|>", add_special_tokens=False)["input_ids"]], repeats=1)
+    assert SEEN["prompts"] == [prefill[:1]] and SEEN["completions"] == [[{"role": "assistant", "content": "2 1"}]]
+    # A model without a chat template: conversations refused when read, naming the fix.
+    plain = AutoTokenizer.from_pretrained(demo_assets / "base")
+    plain.chat_template = None
+    with pytest.raises(FinetuneError, match="holds conversations as prompts, and the tokenizer has no chat template"):
+        samples.prepare([(source, datasets.Dataset.from_list([{"prompt": prefill[:1]}]))], plain, data, 0)
     with pytest.raises(FinetuneError, match="has no prompt column"):
         samples.prepare([(None, datasets.Dataset.from_list([{"question": "p", "answer": "s"}]))], tokenizer, data, 0)

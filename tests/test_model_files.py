@@ -142,3 +142,25 @@ def test_config_overrides_reach_the_model_and_the_files_written_with_it(demo_ass
         load_model(
             ModelConfig(name_or_path=str(demo_assets / "base"), config_overrides={"rope_parmeters": {}}), "none"
         )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"rope_parameters": {"rope_type": "yarnn", "factor": 4.0}}, "rope_type 'yarnn' is not a RoPE type"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+         "make a config transformers refuses .*original_max_position_embeddings"),
+        ({"num_attention_heads": 2}, r"\(num_attention_heads\) change the shapes of the model's weights \(model."),
+        ({"num_hidden_layers": 1}, "change the shapes of the model's weights"),
+    ],
+)  # fmt: skip
+def test_config_overrides_transformers_would_fail_on_or_that_reshape_weights_are_refused_before_loading(
+    demo_assets, overrides, message
+):
+    """A typo in a RoPE override was a KeyError in the middle of loading; an override of a shape field loaded the
+    checkpoint with those weights initialized at random, in a report few read."""
+    from finetune.errors import FinetuneError
+    from finetune.model import load_model_config
+
+    with pytest.raises(FinetuneError, match=message):
+        load_model_config(ModelConfig(name_or_path=str(demo_assets / "base"), config_overrides=overrides))

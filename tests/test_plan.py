@@ -78,7 +78,8 @@ def test_plan_command_gives_a_table_and_a_verdict(demo_assets):
     assert "verdict (* = this config): fits" in result.stdout
     assert "activation checkpointing (this run: none), activations per device: none" in result.stdout
     # The cheapest policy that fits: selective (keeps matmul outputs), then full.
-    tight = run_plan(model, "--config", config, "--num-processes", "2", "--gpu-memory", "0.03GB")
+    # Overrides may follow the options too, as with `make plan ARGS=...` after them.
+    tight = run_plan("--config", config, "--num-processes", "2", "--gpu-memory", "0.03GB", model)
     assert "fits with selective activation checkpointing (train.activation_checkpointing: selective)" in tight.stdout
     tighter = run_plan(model, "--config", config, "--num-processes", "2", "--gpu-memory", "0.02GB")
     assert "fits with activation checkpointing (train.activation_checkpointing: full)" in tighter.stdout
@@ -88,6 +89,22 @@ def test_plan_command_gives_a_table_and_a_verdict(demo_assets):
     assert bad.returncode == 2 and "NUM_PROCESSES=3 is not a multiple of NUM_MACHINES=2" in bad.stderr
     bad = run_plan(model, "--config", config, "--num-processes", "2", "--gpu-memory", "80XB")
     assert bad.returncode == 2 and "write it like 80GB" in bad.stderr
+
+
+def test_plan_refuses_a_launch_that_check_and_training_refuse(demo_assets, capsys):
+    """No plan for a launch that cannot run: online RL over sequence groups, a stray option."""
+    from finetune.cli import main
+
+    grpo = str(REPO / "recipes" / "demo" / "tiny_llama_grpo.yaml")
+    model = f"model.name_or_path={demo_assets / 'base'}"
+    config = str(CONFIGS / "sequence_parallel.yaml")
+    assert main(["plan", grpo, "--config", config, "--num-processes", "8", model]) == 2
+    assert "online RL (rl) samples whole completions on each process, and sequence parallelism" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        main(["plan", grpo, "--config", config, "--gpu-memory", "1GB", "--typo"])
+    assert "unrecognized arguments: --typo" in capsys.readouterr().err
 
 
 def test_plan_inputs_that_cannot_be_planned(tmp_path):

@@ -159,6 +159,24 @@ def test_reasoning_is_compared_unless_data_keeps_it_as_context(tokenizer):
     assert "flip it" in trained_text(compared, "chosen", tokenizer)
 
 
+def test_reasoning_in_text_replies_is_kept_as_context_like_a_conversations(tokenizer):
+    """Text pairs (prompt, chosen and rejected as text): a reply's leading <think> block is reasoning too, compared
+    unless data.train_on_reasoning=false, where it stays in the ids only (both sides keep the same prompt)."""
+    sample = {"prompt": "reverse: 1 2", "chosen": "<think>flip it</think>2 1", "rejected": "<think>keep it</think>1 2"}
+    cfg = DataConfig(train_path="x", max_length=64, train_on_reasoning=False)
+    pairs, stats = prepare_pairs([(None, datasets.Dataset.from_list([sample]))], tokenizer, cfg, [None])
+    [row] = pairs.to_list()
+    assert tokenizer.decode(row["chosen_ids"]).endswith("reverse: 1 2<think>flip it</think>2 1<|end|>")
+    assert trained_text(row, "chosen", tokenizer) == "<think></think>2 1<|end|>"
+    assert trained_text(row, "rejected", tokenizer) == "<think></think>1 2<|end|>"
+    assert stats.num_reasoning_tokens > 0 and "(context only, not compared)" in stats.describe("train")
+    [compared] = pairs_of([sample], tokenizer)[0].to_list()
+    assert trained_text(compared, "chosen", tokenizer) == "<think>flip it</think>2 1<|end|>"
+    with pytest.raises(FinetuneError, match="sample 0"):
+        prepare_pairs([(None, datasets.Dataset.from_list([{**sample, "chosen": "<think>never closed"}]))],
+                      tokenizer, cfg, [None])  # fmt: skip
+
+
 def test_truncation_drop_drops_pairs_whose_prompt_would_be_cut(tokenizer):
     prompt = [turn("user", " ".join(["7"] * 40))]
     long = {"prompt": prompt, "chosen": [turn("assistant", "1")], "rejected": [turn("assistant", "2")]}

@@ -8,6 +8,7 @@ positions. Each launched run trains 10 steps in fp32 and is compared with one pr
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,8 @@ from safetensors.torch import load_file
 
 from finetune.attention import cumulative_lengths
 from finetune.data.pack import collate_packed, collate_padded
-from finetune.sequence import split_batch
+from finetune.errors import FinetuneError
+from finetune.sequence import launched_size, split_batch
 
 SP_CONFIG = "sequence_parallel.yaml"
 
@@ -181,6 +183,32 @@ def test_a_sequence_parallel_checkpoint_resumes_without_sequence_groups(
     )  # fmt: skip
     assert f"resumed from {output_dir / 'checkpoints' / 'step_5'}" in resumed.log
     assert _difference(LaunchedRun(resumed.result, output_dir), one_process) <= 1e-5
+
+
+def test_sequence_parallel_sizes_below_2_are_checked_first_and_1_is_none(tmp_path, monkeypatch):
+    """sp_size 1 is no sequence parallelism (not a hybrid-sharding layout to refuse); 0, -2 or text are refused
+    in one line, by check and by a launched run alike."""
+    from finetune.distributed import mesh_sizes
+    from finetune.launch import read_launch
+
+    config = yaml.safe_load((CONFIGS / SP_CONFIG).read_text())
+    config["num_processes"] = 2
+    for size in (1, 0, -2, "two"):
+        config["parallelism_config"]["parallelism_config_sp_size"] = size
+        path = tmp_path / f"sp_{size}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        if size == 1:
+            launch = read_launch(path, environ={})
+            assert launch.sequence_parallel == 1 and launch.hybrid_shard_size is None
+            continue
+        with pytest.raises(FinetuneError, match=f"parallelism_config_sp_size: {size!r}; it is the number of"):
+            read_launch(path, environ={})
+    with pytest.raises(FinetuneError, match="parallelism_config_sp_size=0: it is the number of processes"):
+        launched_size({"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_SP_SIZE": "0"})
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert mesh_sizes() is None and "ACCELERATE_USE_PARALLELISM_CONFIG" not in os.environ
 
 
 def test_check_refuses_what_sequence_groups_cannot_serve(tmp_path, demo_assets):

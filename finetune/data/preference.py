@@ -28,7 +28,13 @@ from finetune.config import DataConfig
 from finetune.data.chat import describe, encode_rendered, message_role, render_chats
 from finetune.data.pack import with_host_indices
 from finetune.data.sources import SAMPLE_INDEX, source_name
-from finetune.data.tokenize import IGNORE, check_invalid_share, encode_prompt_completions, map_processes
+from finetune.data.tokenize import (
+    IGNORE,
+    check_invalid_share,
+    encode_prompt_completions,
+    map_processes,
+    with_text_reasoning,
+)
 from finetune.errors import FinetuneError
 from finetune.quiet import no_datasets_bars
 
@@ -90,7 +96,7 @@ def _encode_batch(
 ) -> dict[str, list]:
     prompts = batch.get("prompt", [None] * len(indices))
     if all(isinstance(reply, str) for side in PAIR_COLUMNS for reply in batch[side]):
-        sides = {side: _encode_texts(prompts, batch[side], side, indices, tokenizer) for side in PAIR_COLUMNS}
+        sides = {side: _encode_texts(prompts, batch[side], side, indices, tokenizer, cfg) for side in PAIR_COLUMNS}
     else:
         pairs = [_pair_conversations(*pair, index) for *pair, index in
                  zip(prompts, batch["chosen"], batch["rejected"], indices, strict=True)]  # fmt: skip
@@ -140,8 +146,15 @@ class _Side:
 
 
 def _encode_texts(
-    prompts: list[Any], replies: list[str], side: str, indices: list[int], tokenizer: PreTrainedTokenizerBase
+    prompts: list[Any],
+    replies: list[str],
+    side: str,
+    indices: list[int],
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: DataConfig,
 ) -> list[_Side]:
+    """Text pairs: the prompt's tokens, then the reply's and EOS, compared; a reply's leading <think> block is
+    reasoning, kept as context under data.train_on_reasoning=false as in conversations."""
     for prompt, index in zip(prompts, indices, strict=True):
         if not isinstance(prompt, str):
             raise FinetuneError(
@@ -149,9 +162,11 @@ def _encode_texts(
                 "remove the sample"
             )
     sides = []
-    for ids, trained in encode_prompt_completions(prompts, replies, tokenizer, completion_only=True):
-        start = trained.index(True)
-        sides.append(_Side(ids[:start], ids[start:], trained[start:]))
+    encoded = encode_prompt_completions(prompts, replies, tokenizer, completion_only=True)
+    starts = [trained.index(True) for _, trained in encoded]  # the reply's first token, before reasoning is masked
+    encoded, reasoning = with_text_reasoning(encoded, replies, tokenizer, indices, cfg.train_on_reasoning)
+    for (ids, trained), start, thought in zip(encoded, starts, reasoning, strict=True):
+        sides.append(_Side(ids[:start], ids[start:], trained[start:], thought))
     return sides
 
 

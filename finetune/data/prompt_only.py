@@ -1,9 +1,11 @@
 """Prompts for online RL (`finetune.objectives.grpo`): TRL's prompt-only layout, tokenized, every column kept.
 
-A sample is a `prompt` (text, or a list of messages rendered with the chat template's generation prompt) and
-any other columns (an `answer`, test cases), which reach the reward functions as they are. The model writes the
-rest, so a prompt must leave `rl.max_new_tokens` of `data.max_length`: a longer one is refused, or left out and
-counted with data.truncation=drop (cutting it would ask a different question).
+A sample is a `prompt` (text, or a list of messages rendered with the chat template's generation prompt, or,
+when it ends with an assistant message, continuing that message as TRL does) and any other columns (an `answer`,
+test cases), which reach the reward functions as they are. The model writes the rest, so a prompt must leave
+`rl.max_new_tokens` of `data.max_length`: a longer one is refused, or left out and counted with
+data.truncation=drop (cutting it would ask a different question). Each prompt is checked as it is read: an empty
+or malformed one is refused naming its sample, or left out and counted with data.invalid=drop.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from finetune.config import DataConfig
-from finetune.data.prompts import rendered
+from finetune.data.prompts import prompt_tokens
 from finetune.data.sources import SAMPLE_INDEX, source_name
+from finetune.data.tokenize import check_invalid_share
 from finetune.errors import FinetuneError
 from finetune.quiet import no_datasets_bars
 
@@ -33,11 +36,16 @@ class PromptStats:
     num_too_long: int
     num_tokens: int
     longest: int
+    num_invalid: int = 0
+    """data.invalid=drop: malformed prompts left out, and the first reasons."""
+    invalid_examples: tuple[str, ...] = ()
 
     def describe(self, split: str) -> str:
         dropped = f", {self.num_too_long:,} dropped as longer than the room left for completions" * bool(
             self.num_too_long
         )
+        if self.num_invalid:
+            dropped += f", {self.num_invalid:,} invalid dropped (first: {' | '.join(self.invalid_examples)})"
         return f"{split}: {self.num_prompts:,} prompts, {self.num_tokens:,} tokens (longest {self.longest:,}){dropped}"
 
 
@@ -61,20 +69,34 @@ class PromptOnly:
         first_index: int = 0,
     ) -> tuple[datasets.Dataset, PromptStats]:
         room = cfg.max_length - self.max_new_tokens
-        tokenized, too_long = [], 0
+        tokenized, too_long, invalid = [], 0, []
         for source, dataset in parts:
             where = source_name(source, cfg, evaluation) or ("the eval data" if evaluation else "the training data")
-            if "prompt" not in dataset.column_names:
-                columns = ", ".join(c for c in dataset.column_names if c != SAMPLE_INDEX)
+            columns = [c for c in dataset.column_names if c != SAMPLE_INDEX]
+            if "prompt" not in columns:
                 raise FinetuneError(
-                    f"an rl section samples completions to prompts, and {where} has no prompt column ({columns}); "
-                    "rename its prompt column with a columns mapping"
+                    f"an rl section samples completions to prompts, and {where} has no prompt column "
+                    f"({', '.join(columns)}); rename its prompt column with a columns mapping"
                 )
-            self.check_columns([c for c in dataset.column_names if c != SAMPLE_INDEX], where)
-            with no_datasets_bars():
-                part = dataset.map(
-                    lambda sample: {"prompt_ids": _prompt_ids(sample, tokenizer)}, desc="tokenizing (prompts)"
+            self.check_columns(columns, where)
+            if not tokenizer.chat_template and any(isinstance(p, list) for p in dataset["prompt"]):
+                raise FinetuneError(
+                    f"{where} holds conversations as prompts, and the tokenizer has no chat template to render them; "
+                    "set data.chat_template (a .jinja file), or give the prompts as text"
                 )
+            try:
+                with no_datasets_bars():
+                    part = dataset.map(
+                        lambda sample, index: _tokenized(sample, index, tokenizer, cfg.invalid == "drop"),
+                        with_indices=True, desc="tokenizing (prompts)",
+                    )  # fmt: skip
+            except FinetuneError as exc:
+                raise FinetuneError(f"{where}: {exc}") from None
+            if cfg.invalid == "drop":
+                check_invalid_share(part, where)
+                reasons = [reason for reason in part["invalid"] if reason]
+                invalid += [f"{where}: {reason}" for reason in reasons]
+                part = part.remove_columns("invalid")
             lengths = numpy.array([len(ids) for ids in part["prompt_ids"]])
             long = numpy.flatnonzero(lengths > room)
             if len(long) and cfg.truncation != "drop":
@@ -85,7 +107,7 @@ class PromptOnly:
                     "data.max_length, lower rl.max_new_tokens, or set data.truncation=drop to leave them out (counted)"
                 )
             too_long += len(long)
-            kept = part.select(numpy.flatnonzero(lengths <= room)) if len(long) else part
+            kept = part.select(numpy.flatnonzero((lengths <= room) & (lengths > 0)))  # 0 tokens: invalid, dropped
             tokenized.append(kept.remove_columns([c for c in kept.column_names if c == SAMPLE_INDEX]))
         try:
             every = tokenized[0] if len(tokenized) == 1 else datasets.concatenate_datasets(tokenized)
@@ -101,7 +123,10 @@ class PromptOnly:
             )
         every = every.add_column("prompt_index", numpy.arange(len(every), dtype=numpy.int64))
         lengths = numpy.array([len(ids) for ids in every["prompt_ids"]])
-        return every, PromptStats(len(every), too_long, int(lengths.sum()), int(lengths.max()))
+        stats = PromptStats(
+            len(every), too_long, int(lengths.sum()), int(lengths.max()), len(invalid), tuple(invalid[:3])
+        )
+        return every, stats
 
     def collate(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
         pad = tokenizer.pad_token_id
@@ -120,10 +145,15 @@ class PromptOnly:
         return collate
 
 
-def _prompt_ids(sample: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    prompt = sample["prompt"]
-    if isinstance(prompt, list):
-        return rendered(prompt, tokenizer, sample.get("tools"))
-    if not isinstance(prompt, str):
-        raise FinetuneError(f"a prompt is {type(prompt).__name__}; give each prompt as text or a list of messages")
-    return tokenizer(prompt)["input_ids"]
+def _tokenized(
+    sample: dict[str, Any], index: int, tokenizer: PreTrainedTokenizerBase, drop_invalid: bool
+) -> dict[str, Any]:
+    """A sample's prompt tokens, or (data.invalid=drop) none and the reason it was refused."""
+    index = sample.get(SAMPLE_INDEX, index)
+    try:
+        ids = prompt_tokens(sample["prompt"], sample.get("tools"), tokenizer, index)
+    except FinetuneError as exc:
+        if not drop_invalid:
+            raise
+        return {"prompt_ids": [], "invalid": str(exc)}
+    return {"prompt_ids": ids, **({"invalid": ""} if drop_invalid else {})}

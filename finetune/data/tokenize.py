@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from finetune.batch import IGNORE
 from finetune.config import DataConfig
-from finetune.data.chat import EncodedSamples, MultiTurn, describe, encode_rendered, render_chats
+from finetune.data.chat import EncodedSamples, MultiTurn, describe, encode_rendered, render_chats, unclosed_think
 from finetune.data.sources import SAMPLE_INDEX
 from finetune.errors import FinetuneError
 
@@ -47,6 +47,46 @@ def encode_prompt_completions(
         (prompt + completion, [not completion_only] * len(prompt) + [True] * len(completion))
         for prompt, completion in zip(prompt_ids, completion_ids, strict=True)
     ]
+
+
+def with_text_reasoning(
+    encoded: list[tuple[list[int], list[bool]]],
+    completions: list[str],
+    tokenizer: PreTrainedTokenizerBase,
+    indices: list[int],
+    train_on_reasoning: bool,
+) -> tuple[list[tuple[list[int], list[bool]]], list[int]]:
+    """Text completions (`encode_prompt_completions`' samples) whose text opens with a <think> block, as chat
+    replies are read: the block's text counted as reasoning, and kept as context only (in the ids, not trained)
+    under data.train_on_reasoning=false. Returns the samples and each one's reasoning tokens."""
+    if not any(completion.lstrip().startswith("<think>") for completion in completions):
+        return encoded, [0] * len(encoded)
+    offsets = tokenizer(completions, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    samples, counts = [], []
+    for (ids, trained), text, spans, index in zip(encoded, completions, offsets, indices, strict=True):
+        thought = _think_span(text, index)
+        within = [thought is not None and a < thought[1] and b > thought[0] for a, b in spans]
+        if not train_on_reasoning and any(within):
+            first = len(ids) - len(spans) - 1  # the completion's first token (before it: the prompt; after: EOS)
+            trained = (
+                trained[:first] + [t and not w for t, w in zip(trained[first:-1], within, strict=True)] + trained[-1:]
+            )
+        samples.append((ids, trained))
+        counts.append(sum(within))
+    return samples, counts
+
+
+def _think_span(text: str, index: int) -> tuple[int, int] | None:
+    """The characters of a leading <think> block's text (without the tags and the blank space around it)."""
+    if not text.lstrip().startswith("<think>"):
+        return None
+    start = text.index("<think>") + len("<think>")
+    end = text.find("</think>", start)
+    if end < 0:
+        raise unclosed_think(index)
+    inner = text[start:end]
+    start += len(inner) - len(inner.lstrip())
+    return start, start + len(inner.strip())
 
 
 def encode_texts(texts: list[str], tokenizer: PreTrainedTokenizerBase) -> list[tuple[list[int], list[bool]]]:
@@ -124,7 +164,9 @@ def _encode_samples(
         return encode_rendered(rendered, tokenizer, train_on_reasoning)
     if fmt == "prompt_completion":
         prompts, completions = _texts(batch, "prompt", indices), _texts(batch, "completion", indices)
-        return _encoded(encode_prompt_completions(prompts, completions, tokenizer, completion_only))
+        encoded = encode_prompt_completions(prompts, completions, tokenizer, completion_only)
+        encoded, reasoning = with_text_reasoning(encoded, completions, tokenizer, indices, train_on_reasoning)
+        return _encoded(encoded, reasoning)
     return _encoded(encode_texts(_texts(batch, "text", indices), tokenizer))
 
 
@@ -153,13 +195,13 @@ def _encode_valid(
     return EncodedSamples(ids, ranges, expanded, reasoning), invalid
 
 
-def _encoded(samples: list[tuple[list[int], list[bool]]]) -> EncodedSamples:
-    """(ids, trained) pairs as columns."""
+def _encoded(samples: list[tuple[list[int], list[bool]]], reasoning: list[int] | None = None) -> EncodedSamples:
+    """(ids, trained) pairs as columns, with each sample's reasoning tokens (none unless given)."""
     return EncodedSamples(
         [ids for ids, _ in samples],
         [_runs(trained) for _, trained in samples],
         [False] * len(samples),
-        [0] * len(samples),
+        reasoning if reasoning is not None else [0] * len(samples),
     )
 
 

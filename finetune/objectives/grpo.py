@@ -41,7 +41,9 @@ from finetune.batch import Batch
 from finetune.config import RLConfig
 from finetune.data.pack import with_host_indices
 from finetune.data.prompt_only import PromptOnly
+from finetune.data.prompts import content_text
 from finetune.data.rollout import separate_rows, shared_rows
+from finetune.distributed import raised_together
 from finetune.generation import Sampling, complete, generating, row_noise, stop_tokens
 from finetune.loss import LossPath, token_logps
 from finetune.model import disable_dropout
@@ -115,15 +117,17 @@ def advantages(
     scale: str,
     batch_moments: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(advantages, rewards, whether each row's group (or batch) has rewards all equal), per completion, from its
-    rewards per function (NaN: not scored by it), completions grouped by prompt in order. A completion no function
-    scored has no reward and advantage 0, and is left out of its group's mean and deviation. `batch_moments`
-    sums (count, sum, sum of squares) over every process, for scale=batch."""
+    """(advantages, rewards, whether each row's group carries no signal), per completion, from its rewards per
+    function (NaN: not scored by it), completions grouped by prompt in order. A completion no function scored has
+    no reward and advantage 0, and is left out of its group's mean and deviation; a group without two scored
+    completions, or whose rewards are all equal, teaches nothing. `batch_moments` sums (count, sum, sum of
+    squares) over every process, for scale=batch."""
     unscorable = torch.isnan(rewards_per_function).all(dim=1)
     rewards = (rewards_per_function * weights).nansum(dim=1)
     rewards[unscorable] = math.nan
     grouped = rewards.view(-1, num_generations)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+    group_std = _nanstd(grouped).repeat_interleave(num_generations)
     if scale == "batch":
         valid = rewards[~unscorable].double()
         count, total, squares = batch_moments(
@@ -132,11 +136,12 @@ def advantages(
         variance = (squares - total**2 / count) / (count - 1) if count > 1 else torch.tensor(math.nan)
         std = variance.clamp(min=0).sqrt().float().expand_as(rewards)
     else:
-        std = _nanstd(grouped).repeat_interleave(num_generations)
+        std = group_std
     advantage = rewards - mean
     if scale != "none":
         advantage = advantage / (std + STD_EPSILON)
-    return torch.nan_to_num(advantage, nan=0.0), rewards, torch.isclose(std, torch.zeros_like(std))
+    no_signal = torch.isnan(group_std) | torch.isclose(group_std, torch.zeros_like(group_std))
+    return torch.nan_to_num(advantage, nan=0.0), rewards, no_signal
 
 
 def _nanstd(grouped: torch.Tensor) -> torch.Tensor:
@@ -203,15 +208,24 @@ class _Window:
         values = {}
         if completions:  # a rollout since the last log (with num_iterations > 1, a step may train on an old one)
             values = {
-                "reward": total / max(scored, 1), "reward_std": _std(scored, total, squares),
                 "frac_reward_zero_std": equal / max(groups, 1), "completions/mean_length": tokens / completions,
                 "completions/max_length": longest, "completions/clipped_ratio": truncated / completions,
                 "generation/seconds": seconds / max(rollouts, 1),
                 "generation/tokens_per_second": tokens / max(seconds, 1e-9),
             }  # fmt: skip
+            if scored:  # else absent: no completion was scored, and 0 would read as a reward
+                values |= {"reward": total / scored, "reward_std": _std(scored, total, squares)}
+            for line in _warnings(completions, truncated, groups, equal):
+                accelerator.print(f"warning: {line}")
         for n, name in enumerate(self.names if completions else ()):
             function_total, function_squares, function_scored = sums[8 + 3 * n : 11 + 3 * n]
-            values[f"rewards/{name}/mean"] = function_total / max(function_scored, 1)
+            if not function_scored:
+                accelerator.print(
+                    f"warning: rl.rewards: {name} scored none of the {completions:.0f} completions since the last log "
+                    "(it returned None for each): it gave these steps no signal; check what it returns"
+                )
+                continue
+            values[f"rewards/{name}/mean"] = function_total / function_scored
             values[f"rewards/{name}/std"] = _std(function_scored, function_total, function_squares)
         trained, low, high, kl = sums[-4:]
         values |= {
@@ -221,6 +235,24 @@ class _Window:
         if beta:
             values["kl"] = kl / max(trained, 1)
         return values
+
+
+def _warnings(completions: float, truncated: float, groups: float, no_signal: float) -> list[str]:
+    """What a logged window of rollouts says the user must know: steps that learned nothing, or completions that
+    never finished."""
+    lines = []
+    if groups and no_signal == groups:
+        lines.append(
+            f"none of the {groups:.0f} prompts since the last log had completions whose rewards differ (or two "
+            "scored): advantages are 0 and these steps trained nothing; the task may be too easy or too hard for "
+            "the model, or the rewards may not vary (raise rl.num_generations or rl.temperature, or check them)"
+        )
+    if completions and truncated == completions:
+        lines.append(
+            f"every completion since the last log ({completions:.0f}) was cut at rl.max_new_tokens without ending: "
+            "raise rl.max_new_tokens, or check that the model's end-of-sequence token ends its replies"
+        )
+    return lines
 
 
 def _std(count: float, total: float, squares: float) -> float:
@@ -310,7 +342,7 @@ class GRPO:
         seconds = time.perf_counter() - began
         stops = stop_tokens(model, self.tokenizer)
         truncated = [not c or c[-1] not in stops for c in completions]  # cut at max_new_tokens
-        per_function = self._score(micro_batches, completions, repeats=generations)
+        per_function = raised_together(accelerator, self._score, micro_batches, completions, generations)
         moments = lambda values: accelerator.reduce(values.to(accelerator.device), "sum").cpu()  # noqa: E731
         advantage, rewards, equal = advantages(
             per_function, self._weights, generations, self.cfg.scale_rewards, moments
@@ -342,11 +374,17 @@ class GRPO:
                 columns.setdefault(name, []).extend(v for v in values for _ in range(repeats))
         prompts = columns.pop("prompt")
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        # As TRL gives them: conversations' completions as an assistant message, text prompts' as text.
-        given = [
-            [{"role": "assistant", "content": t}] if isinstance(p, list) else t
-            for p, t in zip(prompts, texts, strict=True)
-        ]
+        # As TRL gives them: conversations' completions as an assistant message (a prefill's text, the prompt's last
+        # assistant message, before what the model wrote, and no longer in the prompt), text prompts' as text.
+        given = []
+        for n, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
+            if isinstance(prompt, list):
+                prefill = content_text(prompt[-1].get("content")) if prompt[-1].get("role") == "assistant" else None
+                if prefill is not None:
+                    prompts[n] = prompt[:-1]
+                given.append([{"role": "assistant", "content": (prefill or "") + text}])
+            else:
+                given.append(text)
         return score(self.rewards, prompts, given, completions, columns)
 
     def _completion_batch(
@@ -401,7 +439,7 @@ class GRPO:
                     model, batch["prompt_ids"], self.tokenizer, accelerator, self.cfg.max_new_tokens,
                     lock_step=lock_step,
                 )  # fmt: skip
-                per_function = self._score([batch], completions, repeats=1)
+                per_function = raised_together(accelerator, self._score, [batch], completions, 1)
                 reward = (per_function * self._weights).nansum(dim=1, keepdim=True)
                 length = torch.tensor([[len(c)] for c in completions], dtype=torch.float32)
                 scored = (~torch.isnan(per_function)).float()
