@@ -22,6 +22,7 @@ from finetune.data.chat.messages import (
     chat_messages,
     chat_tools,
 )
+from finetune.data.chat.spans import Prompt
 from finetune.data.chat.templates import reasoning_field
 from finetune.errors import FinetuneError, first_line
 
@@ -179,5 +180,33 @@ class _Chat:
             "`not message.content` instead"
         )
 
+    def prompt_before(self, i: int) -> Prompt | None:
+        """What the template writes after message i - 1's text to prompt reply i (`finetune.data.chat.spans.Prompt`),
+        where message i - 1 is a user's, system's or tool's with text; else None."""
+        return prompt_after(self.tokenizer, self.messages[:i], self.tools)
+
     def up_to(self, i: int) -> _Chat:
         return dataclasses.replace(self, messages=self.messages[: i + 1])
+
+
+def prompt_after(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> Prompt | None:
+    """What the template writes after the last message's text when a reply is to follow (`Prompt`), or None where
+    that message is an assistant's, has no text, or the template refuses the conversation."""
+    if not messages or messages[-1]["role"] == "assistant":
+        return None
+    previous = messages[-1].get("content")
+    previous = previous.strip() if isinstance(previous, str) else ""
+    try:
+        prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    except Exception:  # the template refuses this prefix of a conversation it renders whole: no anchor
+        return None
+    at = prompt.rfind(previous) if previous else -1
+    if at < 0:
+        return None
+    tail = prompt[at + len(previous) :]
+    if not tail:
+        return None
+    ends = tokenizer(tail, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return tail, tuple(end for _, end in ends)

@@ -270,4 +270,18 @@ def _reply_spans(
             return None
         regions[kind, k] = (position, end, j)
         position = end + len(following)
-    return _spans(text, regions, shape, len(trained))
+    prompts = [chat.prompt_before(i) for i in trained]
+    return _spans(text, regions, shape, len(trained), _floors(chat.messages, trained, regions, text), prompts)
+
+
+def _floors(messages: list[dict[str, Any]], trained: list[int], regions: _Regions, text: str) -> list[int]:
+    """Where the text of the message before each trained reply ends in `text` (0 where it cannot be told): the
+    reply's header comes after it."""
+    floors, previous = [], 0
+    for k, i in enumerate(trained):
+        first = min(start for (kind, reply), (start, _, _) in regions.items() if reply == k)
+        before = messages[i - 1].get("content") if i > 0 and messages[i - 1]["role"] != "assistant" else None
+        at = text.rfind(before.strip(), previous, first) if isinstance(before, str) and before.strip() else -1
+        floors.append(at + len(before.strip()) if at >= 0 else 0)
+        previous = regions["reply", k][1]
+    return floors

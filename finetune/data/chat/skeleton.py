@@ -3,13 +3,17 @@ rendering is the skeleton filled with its texts has its replies located without 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from transformers import PreTrainedTokenizerBase
+
 from finetune.data.chat.messages import _reasoning_of
-from finetune.data.chat.rendering import _Batch, _render_batches, _replies
-from finetune.data.chat.spans import _header_end, _Regions, _spans, _think_block
+from finetune.data.chat.rendering import _Batch, _render_batches, _replies, prompt_after
+from finetune.data.chat.spans import Prompt, _first_of, _header_end, _Regions, _spans, _think_block
 from finetune.data.chat.templates import _SENTINEL, TemplateShape
 
 
@@ -18,11 +22,20 @@ class _Skeleton:
     the template's text, which conversations of the same structure share, as pieces alternating
     between template text and placeholder names (c<i> the content of message i, r<i> its reasoning)."""
 
-    def __init__(self, pieces: list[str], replies: tuple[int, ...], shape: TemplateShape, messages: int | None):
+    def __init__(
+        self,
+        pieces: list[str],
+        replies: tuple[int, ...],
+        shape: TemplateShape,
+        messages: int | None,
+        prompt_before: Callable[[int], Prompt | None],
+    ):
         """`replies`: the positions of the assistant messages, as in every conversation of this structure;
         `messages`: their number where conversations give their texts as the list of contents (roles and
-        texts only), None where they give them by placeholder name."""
+        texts only), None where they give them by placeholder name; `prompt_before(i)`: what the template
+        writes after message i - 1's placeholder to prompt reply i."""
         self.pieces, self.replies, self.shape = pieces, replies, shape
+        self.prompt_before = functools.cache(prompt_before)
         names = pieces[1::2]
         self.kinds = {name[0] for name in names}
         """"c" (contents), and "r" where the template wrote reasoning given apart."""
@@ -40,7 +53,7 @@ class _Skeleton:
         placed = self._placed.get(trained)
         if placed is None:
             plan = self._plan(trained)
-            placed = self._placed[trained] = (plan, self._layout(plan, len(trained)) if plan is not None else None)
+            placed = self._placed[trained] = (plan, self._layout(plan, trained) if plan is not None else None)
         return placed
 
     def _plan(self, trained: tuple[int, ...]) -> list[tuple[int, str, int]] | None:
@@ -56,7 +69,7 @@ class _Skeleton:
         found.sort()
         return found if [k for _, kind, k in found if kind == "reply"] == list(range(len(trained))) else None
 
-    def _layout(self, plan: list[tuple[int, str, int]], replies: int) -> list[_Laid] | None:
+    def _layout(self, plan: list[tuple[int, str, int]], trained: tuple[int, ...]) -> list[_Laid] | None:
         """Where each reply's span starts and ends relative to the pieces, when the template text right
         before it holds its header and the text right after it its end marker: then `_spans` finds them
         there in every conversation of this skeleton (a match further out is never the last header or
@@ -64,13 +77,13 @@ class _Skeleton:
         look beyond those pieces, into the texts."""
         at = {(kind, k): n for n, kind, k in plan}
         laid = []
-        for k in range(replies):
+        for k, i in enumerate(trained):
             content, thought = at["reply", k], at.get(("reasoning", k), -1)
             first = thought if 0 <= thought < content else content
-            header = _header_end(self.pieces[first - 1], self.shape)
+            header = _header_end(self.pieces[first - 1], self.shape, self.prompt_before(i))
             after, shape = self.pieces[content + 1], self.shape
-            marker = after.find(shape.end_marker) if shape.end_marker else 0
-            end = marker + len(shape.end_marker)
+            marker, closing = _first_of(after, shape.end_markers, 0, len(after)) if shape.end_markers else (0, "")
+            end = marker + len(closing)
             if marker < 0 and content + 1 == len(self.pieces) - 1 and shape.last_end_marker:
                 last = after.find(shape.last_end_marker)  # the conversation's last reply, closed as `_spans` says
                 marker, end = last, last + len(shape.last_end_marker)
@@ -132,9 +145,12 @@ def _skeletons(batch: _Batch, shape: TemplateShape) -> list[tuple[_Skeleton | No
     structure = list(structures.values())
     rendered = _render_batches([s[0] for s in structure], [s[1] for s in structure], batch.tokenizer)
     skeletons = {
-        key: _Skeleton(_PLACEHOLDER.split(text), _replies(messages), shape, count) if text is not None else None
-        for key, (messages, _, count), text in zip(structures, structure, rendered, strict=True)
-    }
+        key: _Skeleton(
+            _PLACEHOLDER.split(text), _replies(messages), shape, count,
+            functools.partial(_prompt_before, batch.tokenizer, messages, tools),
+        ) if text is not None else None
+        for key, (messages, tools, count), text in zip(structures, structure, rendered, strict=True)
+    }  # fmt: skip
     return [(skeletons[key], values) for key, values in zip(keys, fillings, strict=True)]
 
 
@@ -166,7 +182,11 @@ def _filled_spans(
     if layout is None:
         starts = list(itertools.accumulate(map(len, parts), initial=0))  # part n of the text starts at starts[n]
         regions: _Regions = {(kind, k): (starts[n], starts[n + 1], j) for j, (n, kind, k) in enumerate(plan)}
-        return _spans(text, regions, skeleton.shape, len(trained))
+        # Each reply's header is after the text of the message before it (the piece before its first placeholder).
+        firsts = {k: n for n, _, k in sorted(plan, reverse=True)}
+        floors = [starts[firsts[k] - 1] for k in range(len(trained))]
+        prompts = [skeleton.prompt_before(i) for i in trained]
+        return _spans(text, regions, skeleton.shape, len(trained), floors, prompts)
     # Part n of the text starts at sum(lengths[:n]), summed only where a span needs it; plain loops, as
     # comprehensions are calls of their own before Python 3.12: this runs for every conversation of a dataset.
     lengths = list(map(len, parts))
@@ -201,3 +221,9 @@ def _with_placeholder(message: dict[str, Any], placeholder: str) -> tuple[dict[s
     else:
         return None
     return {**message, "tool_calls": [call, *calls[1:]]}, name
+
+
+def _prompt_before(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, i: int
+) -> Prompt | None:
+    return prompt_after(tokenizer, messages[:i], tools)

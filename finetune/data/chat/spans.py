@@ -3,7 +3,13 @@ with the reasoning inside it."""
 
 from __future__ import annotations
 
+import os
+
 from finetune.data.chat.templates import TemplateShape
+
+Prompt = tuple[str, tuple[int, ...]]
+"""What a template writes after a message's text to prompt the reply that follows it (the rest of the message's
+turn and the generation prompt), and where its tokens end: a reply starts where the text stops following it."""
 
 _Regions = dict[tuple[str, int], tuple[int, int, int]]
 """(kind, reply) -> where the reply's content ("reply") or reasoning lies in the text: start, end, and
@@ -11,10 +17,18 @@ its number in the order the template wrote them. The template's own text lies be
 
 
 def _spans(
-    text: str, regions: _Regions, shape: TemplateShape, replies: int
+    text: str,
+    regions: _Regions,
+    shape: TemplateShape,
+    replies: int,
+    floors: list[int] | None = None,
+    prompts: list[Prompt | None] | None = None,
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """The trained span of each reply, from its assistant header through its turn's end marker, and
-    the spans of the reasoning inside them."""
+    the spans of the reasoning inside them. `floors`: where each reply's previous message's text ends, where it
+    is known: its header is after it (a template that writes a header before a tool's result, as DeepSeek-R1's
+    `<｜Assistant｜>`, does not open the reply after the result with it); `prompts`: what the template writes
+    there to prompt each reply (`Prompt`), where known."""
     # The template's text before region j runs from the end of region j - 1 (or 0) to its start.
     bounds = {j: (start, end) for start, end, j in regions.values()}
     spans, reasoning = [], []
@@ -22,10 +36,13 @@ def _spans(
         content_start, content_end, j = regions["reply", k]
         thought = regions.get(("reasoning", k))
         first_start, _, first = thought if thought is not None and thought[2] < j else (content_start, content_end, j)
-        start = _reply_start(text, bounds[first - 1][1] if first else 0, first_start, shape)
+        after_region = bounds[first - 1][1] if first else 0
+        floor = min(max(after_region, floors[k] if floors else 0), first_start)
+        anchored = floors is not None and prompts is not None and floors[k] >= after_region
+        start = _reply_start(text, floor, first_start, shape, prompts[k] if anchored else None)
         following_end = bounds[j + 1][0] if j + 1 in bounds else len(text)
-        marker = text.find(shape.end_marker, content_end, following_end) if shape.end_marker else -1
-        end = marker + len(shape.end_marker) if marker >= 0 else content_end
+        marker, closing = _first_of(text, shape.end_markers, content_end, following_end)
+        end = marker + len(closing) if marker >= 0 else content_end
         if marker < 0 and following_end == len(text) and shape.last_end_marker:
             # The conversation's last reply, closed as only a last one is (harmony's <|return|>): trained too.
             last = text.find(shape.last_end_marker, content_end)
@@ -38,13 +55,32 @@ def _spans(
     return spans, reasoning
 
 
-def _header_end(template_text: str, shape: TemplateShape) -> int | None:
-    """Where `_reply_start` would find a reply's start inside the template text before it, or None where it
-    would search further back (no header is in that text)."""
+def _first_of(text: str, markers: tuple[str, ...], start: int, end: int) -> tuple[int, str]:
+    """The first of `markers` in text[start:end] (the longest where several start there), and where, or -1."""
+    found = [(at, -len(marker), marker) for marker in markers if (at := text.find(marker, start, end)) >= 0]
+    if not found:
+        return -1, ""
+    at, _, marker = min(found)
+    return at, marker
+
+
+def _header_end(template_text: str, shape: TemplateShape, prompt: Prompt | None = None) -> int | None:
+    """Where `_reply_start` would find a reply's start inside the template text between the previous message's text
+    and the reply, or None where it would search further back (no header is in that text)."""
     if not shape.headers:
         return len(template_text)
-    end = _last_header_end(template_text, 0, len(template_text), shape.headers)
-    return end if end >= 0 else None
+    end = max(_last_header_end(template_text, 0, len(template_text), shape.headers), _agreement(template_text, prompt))
+    return end if end > 0 else None
+
+
+def _agreement(template_text: str, prompt: Prompt | None) -> int:
+    """How far the template text after a message's text follows `prompt` (what the template writes there to prompt
+    the reply, and where its tokens end), in whole tokens: the generated reply begins where it stops following."""
+    if prompt is None:
+        return 0
+    text, ends = prompt
+    common = len(os.path.commonprefix([template_text, text]))
+    return max((end for end in ends if end <= common), default=0)
 
 
 def _last_header_end(text: str, start: int, end: int, headers: tuple[str, ...]) -> int:
@@ -73,7 +109,11 @@ class _UnclosedThink(Exception):
     """A reply's think block has no end; `render_chats` names the sample (`unclosed_think`)."""
 
 
-def _reply_start(text: str, start: int, end: int, shape: TemplateShape) -> int:
-    """Where a reply begins in the template text text[start:end] before it: after its last assistant header."""
+def _reply_start(text: str, start: int, end: int, shape: TemplateShape, prompt: Prompt | None = None) -> int:
+    """Where a reply begins in the template text text[start:end] before it: after its last assistant header, or
+    (given the `prompt` the template writes after the previous message's text, which ends at `start`) where that
+    text stops following the prompt, whichever is later."""
     found = _last_header_end(text, start, end, shape.headers)
+    if agreed := _agreement(text[start:end], prompt):
+        found = max(found, start + agreed)
     return found if found >= 0 else end

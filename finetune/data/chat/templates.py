@@ -6,11 +6,12 @@ from __future__ import annotations
 import functools
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from finetune.data.chat.messages import REASONING_FIELDS
 from finetune.errors import FinetuneError, first_line
@@ -32,8 +33,10 @@ def _reasoning_field(render: _Renderer) -> str | None:
     return None
 
 
+# Every field a schema may have (a template may read a parameter's description: Command-R+'s does).
 _PROBE_TOOL = {"type": "function", "function": {"name": "lookup", "description": "Look a word up.", "parameters": {
-    "type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}  # fmt: skip
+    "type": "object", "properties": {"word": {"type": "string", "description": "The word."}},
+    "required": ["word"]}}}  # fmt: skip
 
 
 _PROBE_CALL = {"type": "function", "function": {"name": "lookup", "arguments": {"word": "probe"}}}
@@ -125,6 +128,9 @@ class TemplateShape:
     last_end_marker: str = ""
     """What closes the reply that ends a conversation, through its first special token, where the template
     closes that one otherwise (gpt-oss's harmony: `<|return|>`, the token generation stops at, for `<|end|>`)."""
+    call_end_marker: str = ""
+    """The marker a turn of tool calls ends with, where it is not `end_marker` (harmony's `<|call|>`, gemma-4's
+    `<tool_call|>`, GLM's `<|observation|>`: its turns end where the next opens)."""
     headers: tuple[str, ...] = ()
     """What may open an assistant turn, the longest first: the reply prefix and the generation prompt, and both
     less a think tag the generation prompt ends with. A prompt that opens the reasoning (QwQ's, DeepSeek-R1's
@@ -132,14 +138,36 @@ class TemplateShape:
     an earlier turn, or a turn of tool calls, opens without it, and all it writes after the rest of the header
     (its calls' wrappers, an empty think block) is what the model generated in that turn."""
 
+    @property
+    def end_markers(self) -> tuple[str, ...]:
+        """What may end a reply: the first of these after its content."""
+        return tuple(marker for marker in dict.fromkeys([self.end_marker, self.call_end_marker]) if marker)
+
 
 _SENTINEL = "\ue000{}\ue001"  # private-use characters: in no template, untouched by trim
 
 
 def template_shape(tokenizer: PreTrainedTokenizerBase) -> TemplateShape:
     """The reply prefix, generation prompt and end marker of the tokenizer's template (cached per template)."""
-    specials = tuple(sorted(set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab()), key=len))
-    return _template_shape(tokenizer.chat_template, specials, _Renderer(tokenizer))
+    # Markers: special and added tokens, less those of white space alone (gemma's "\n" tokens format, not mark).
+    added = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
+    specials = tuple(sorted((token for token in added if token.strip()), key=len))
+    return _template_shape(tokenizer.chat_template, specials, _stop_texts(tokenizer), _Renderer(tokenizer))
+
+
+def _stop_texts(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
+    """Where the model ends its own turn: the tokenizer's end-of-sequence token and, where the tokenizer's folder
+    has one, the generation config's (a chat model's end-of-turn tokens, where they differ)."""
+    stops = [tokenizer.eos_token] if tokenizer.eos_token else []
+    folder = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
+    if (folder / "generation_config.json").is_file():
+        try:
+            configured = GenerationConfig.from_pretrained(folder).eos_token_id
+        except (OSError, ValueError):  # a damaged file: the tokenizer's own token still says where a turn ends
+            configured = None
+        ids = configured if isinstance(configured, list) else [configured] if configured is not None else []
+        stops += [token for token in tokenizer.convert_ids_to_tokens(ids) if token]
+    return tuple(dict.fromkeys(stops))
 
 
 class _Renderer:
@@ -164,14 +192,16 @@ class _Renderer:
 
 
 @functools.lru_cache(maxsize=8)
-def _template_shape(template: str, specials: tuple[str, ...], render: _Renderer) -> TemplateShape:
+def _template_shape(
+    template: str, specials: tuple[str, ...], stops: tuple[str, ...], render: _Renderer
+) -> TemplateShape:
     user, reply, user2 = (_SENTINEL.format(f"probe{i}") for i in range(3))
     # Probed without tools, or with one where the template renders nothing without (Hermes-3's and Command-R's
     # tool-use templates raise): its layout is learned either way, never left empty.
     tools = None
     if render([{"role": "user", "content": user}], generation=True) is None:
         tools = [_PROBE_TOOL] if render([{"role": "user", "content": user}], True, [_PROBE_TOOL]) else None
-    render = functools.partial(render, tools=tools)
+    tokenizer, render = render.tokenizer, functools.partial(render, tools=tools)
     prompt = render([{"role": "user", "content": user}], generation=True) or ""
     bare = render([{"role": "user", "content": user}]) or ""
     generation_prompt = prompt[len(bare) :] if prompt.startswith(bare) else ""
@@ -185,16 +215,86 @@ def _template_shape(template: str, specials: tuple[str, ...], render: _Renderer)
     after_reply = closing.split(reply, 1)[1].split(user2, 1)[0] if reply in closing else ""
     ending = render(turns) or ""
     after_last = ending.split(reply, 1)[1] if reply in ending else ""
-    full = [header for header in (reply_prefix, generation_prompt) if header]
-    headers = dict.fromkeys([*full, *(_without_think_tag(header) for header in full)])
-    # The end of a turn: what the template writes after a reply both before the next turn and at the end of the
-    # conversation, through its last special token (Command-R's `<|END_RESPONSE|><|END_OF_TURN_TOKEN|>`: both
-    # are the reply's); where those differ from the first character, through the first special token after it.
-    shared = _through_last_special(os.path.commonprefix([after_reply, after_last]), specials)
+    # How the template opens other turns: what it writes before a user message (first, after a system message,
+    # after a reply): a generation prompt's cut must say more than any of it.
+    openings = [bare.split(user, 1)[0], after_reply]
+    openings.append(_between(render, {"role": "system", "content": user2}, {"role": "user", "content": user}))
+    headers = _opening_headers(reply_prefix, generation_prompt, openings, tokenizer)
+    # The end of a turn: the model's own, where the template writes an end-of-sequence token after a reply (through
+    # the first: Command-R's `<|END_RESPONSE|><|END_OF_TURN_TOKEN|>`, not the next turn's header it writes on).
+    # Else what the template writes after a reply both before the next turn and at the end of the conversation,
+    # through its last marker; where those differ from the first character, through the first marker after it.
+    end_marker = _through_first_special(after_reply, stops)
+    if end_marker:
+        last_end_marker = _through_first_special(after_last, stops) or _through_first_special(after_last, specials)
+    else:
+        shared = _through_last_special(os.path.commonprefix([after_reply, after_last]), specials)
+        end_marker = shared or _through_first_special(after_reply, specials)
+        last_end_marker = _through_first_special(after_last, specials)
+    # Whether a user's turn closes with a marker of its own before the reply's header (ChatML's `<|im_end|>`), or
+    # ends where the next turn opens (GLM's: `<|assistant|>` ends it, as `<|user|>` ends a reply).
+    user_closing = reply_prefix[: len(reply_prefix) - len(generation_prompt)]
+    closed = bool(_through_last_special(user_closing, specials))
+    call_end = _call_end_marker(render, end_marker, stops, specials, closed)
     return TemplateShape(
-        reply_prefix, generation_prompt, shared or _through_first_special(after_reply, specials),
-        _through_first_special(after_last, specials), tuple(header for header in headers if header),
-    )  # fmt: skip
+        reply_prefix, generation_prompt, end_marker, last_end_marker, headers=headers, call_end_marker=call_end
+    )
+
+
+_PROBE_VALUE = "qzvprobe"
+"""A tool call's argument in the probes: plain ASCII, which JSON writes as it is."""
+_PROBE_CALL_ID = {"id": "qzv123456", "type": "function", "function": {"name": "lookup", "arguments": {
+    "word": _PROBE_VALUE}}}  # fmt: skip
+"""A probe call with an id (nine characters: Mistral's templates refuse others) its result can answer."""
+
+
+def _call_end_marker(
+    render: Callable[..., str | None],
+    end_marker: str,
+    stops: tuple[str, ...],
+    specials: tuple[str, ...],
+    closed: bool,
+) -> str:
+    """Where a turn of tool calls ends, learned from a probe call (as the conversation's last turn, and answered by
+    a tool's result), where that is not `end_marker`: the model's own end of turn (an end-of-sequence token the
+    template writes after the call); for a template whose turns end where the next opens (GLM's: `<|user|>` ends a
+    reply, `<|observation|>` a turn of calls), the tool result's opening; else the first marker after the call's
+    arguments that the call does not also write inside itself (gemma-4's string quotes `<|"|>` are the call's;
+    its `<tool_call|>` ends it)."""
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL_ID]}]
+    result = _SENTINEL.format("result")
+    answer = {"role": "tool", "content": result, "tool_call_id": _PROBE_CALL_ID["id"], "name": "lookup"}
+    answered = render([*turns, answer], tools=[_PROBE_TOOL]) or ""
+    alone = render(turns, tools=[_PROBE_TOOL]) or ""
+    if _PROBE_VALUE not in answered or result not in answered or _PROBE_VALUE not in alone:
+        return ""  # a template that writes no calls, or no probe's: replies end at `end_marker`
+    before_result = answered.rsplit(_PROBE_VALUE, 1)[1].split(result, 1)[0]
+    closing = alone.rsplit(_PROBE_VALUE, 1)[1]
+    if end_marker and end_marker in before_result:
+        return ""
+    stop = _through_first_special(before_result, stops)
+    if stop:
+        return _last_marker(stop, stops)
+    if not closed:
+        opening = before_result[len(os.path.commonprefix([before_result, closing])) :]
+        return _last_marker(_through_first_special(opening, specials), specials)
+    written = alone.rsplit(_PROBE_VALUE, 1)[0]
+    call_start = written.rfind("lookup")
+    inside = {token for token in specials if token in written[call_start:]} if call_start >= 0 else set()
+    outside = tuple(token for token in specials if token not in inside)
+    return _last_marker(_through_first_special(closing, outside), outside)
+
+
+def _last_marker(text: str, markers: tuple[str, ...]) -> str:
+    """The marker `text` ends with (the longest), or ""."""
+    return max((marker for marker in markers if marker and text.endswith(marker)), key=len, default="")
+
+
+def _between(render: Callable[..., str | None], first: dict[str, str], second: dict[str, str]) -> str:
+    """What the template writes between two messages' texts ("" where it refuses them, or merges them)."""
+    text = render([first, second]) or ""
+    before, found, rest = text.partition(first["content"])
+    return rest.split(second["content"], 1)[0] if found and second["content"] in rest else ""
 
 
 def _through_last_special(text: str, specials: tuple[str, ...]) -> str:
@@ -203,13 +303,41 @@ def _through_last_special(text: str, specials: tuple[str, ...]) -> str:
     return text[: max(ends)] if ends else ""
 
 
-def _without_think_tag(header: str) -> str:
-    """`header` less the think tag (and whitespace around it) it ends with, or "" if it ends with none."""
-    stripped = header.rstrip()
-    for tag in ("<think>", "</think>"):
-        if stripped.endswith(tag):
-            return stripped[: -len(tag)]
-    return ""
+def _opening_headers(
+    reply_prefix: str, generation_prompt: str, other_openings: list[str], tokenizer: PreTrainedTokenizerBase
+) -> tuple[str, ...]:
+    """What may open an assistant turn, the longest first: the reply prefix and the generation prompt, and the
+    generation prompt cut short at a token boundary (with what the reply prefix writes before it), down to the
+    shortest cut that still says "assistant" (longer than anything it shares with how the template opens another
+    turn). The generation prompt is the header of the reply being generated; a turn written earlier in a
+    conversation may open with less of it (QwQ's and DeepSeek-R1's turns of tool calls open without the prompt's
+    `<think>`; non-thinking prompts close an empty think block a turn of calls does not), and a reply then starts
+    where its text stops following the generation prompt: what the template writes there (a call's wrapper, a
+    think block) is what the model generated in that turn."""
+    headers = [reply_prefix, generation_prompt]
+    if generation_prompt:
+        cuts = _cuts(generation_prompt, other_openings, tokenizer)
+        before = reply_prefix[: -len(generation_prompt)] if reply_prefix.endswith(generation_prompt) else None
+        headers += cuts + ([before + cut for cut in cuts] if before else [])
+    elif reply_prefix:  # a template that writes the next header after every conversation (Command-R7B's): no prompt
+        headers += _cuts(reply_prefix, other_openings, tokenizer)  # apart from the reply prefix, which is cut
+    return tuple(dict.fromkeys(sorted((h for h in headers if h.strip()), key=len, reverse=True)))
+
+
+def _cuts(header: str, other_openings: list[str], tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """`header` cut short at each of its token boundaries past what it shares with another turn's opening."""
+    shared = max((_longest_common_run(header, text) for text in other_openings), default=0)
+    offsets = tokenizer(header, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return [header[:end] for _, end in offsets if shared < end < len(header)]
+
+
+def _longest_common_run(prefix_of: str, text: str) -> int:
+    """The most characters that `prefix_of` begins with and that stand together anywhere in `text`."""
+    longest = 0
+    for start in range(len(text)):
+        if text[start] == prefix_of[0]:
+            longest = max(longest, len(os.path.commonprefix([prefix_of, text[start : start + len(prefix_of)]])))
+    return longest
 
 
 def _through_first_special(text: str, specials: tuple[str, ...]) -> str:
