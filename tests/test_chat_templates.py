@@ -424,13 +424,13 @@ CONVERSATIONS = {
 
 def test_the_skeleton_path_locates_replies_exactly_as_the_placeholder_rendering_does(base_tokenizer):
     """Replies are located from one skeleton per conversation structure when the template copies texts as
-    they are (`_filled_spans`), from the pieces' lengths alone where the skeleton holds each reply's header
+    they are (`filled_spans`), from the pieces' lengths alone where the skeleton holds each reply's header
     and end marker next to it (its layout); each such result equals the reference's (`_reply_spans`, which
     renders each conversation again with placeholders), and templates that trim or rewrite texts fall back to it."""
     from finetune.data.chat import template_shape
-    from finetune.data.chat.rendering import _check
+    from finetune.data.chat.rendering import check_batch
     from finetune.data.chat.replies import _reply_spans
-    from finetune.data.chat.skeleton import _filled_spans, _skeletons
+    from finetune.data.chat.skeleton import filled_spans, skeletons_of
 
     fast, laid = set(), set()
     for family in FAMILIES:
@@ -439,18 +439,18 @@ def test_the_skeleton_path_locates_replies_exactly_as_the_placeholder_rendering_
             tools = [WEATHER] if name == "tools" else None
             if name == "tools" and "tool_calls" not in tokenizer.chat_template:
                 with pytest.raises(FinetuneError, match="never renders"):  # calls it would drop are refused
-                    _check([conversation], [tools], [0], tokenizer)
+                    check_batch([conversation], [tools], [0], tokenizer)
                 continue
-            batch = _check([conversation], [tools], [0], tokenizer)
+            batch = check_batch([conversation], [tools], [0], tokenizer)
             chat = batch.chat(0)
             try:
                 text = chat.render()
             except FinetuneError:  # gemma-2 refuses system roles
                 continue
-            [(skeleton, values)] = _skeletons(batch, template_shape(tokenizer))
+            [(skeleton, values)] = skeletons_of(batch, template_shape(tokenizer))
             replies = tuple(i for i, message in enumerate(chat.messages) if message["role"] == "assistant")
             for trained in (replies, replies[-1:]):
-                located = _filled_spans(skeleton, values, trained, text)
+                located = filled_spans(skeleton, values, trained, text)
                 if located is not None and trained == replies:
                     fast.add((family, name))
                     if skeleton.placed(trained)[1] is not None:

@@ -8,24 +8,24 @@ from typing import Any
 
 from finetune.errors import FinetuneError
 
-_TOOL_RESPONSE = ("<tool_response>", "</tool_response>")
+TOOL_RESPONSE = ("<tool_response>", "</tool_response>")
 
 
-def _unwrapped_tool_result(message: dict[str, Any]) -> dict[str, Any]:
+def unwrapped_tool_result(message: dict[str, Any]) -> dict[str, Any]:
     """A tool result that the data wraps in the `<tool_response>` tags the template writes around every tool
     result itself (Hermes function-calling data on Qwen's and Hermes' templates) without them: the model sees
     one wrapper, as at inference, not two."""
     content = message.get("content")
     if message.get("role") != "tool" or not isinstance(content, str):
         return message
-    opening, closing = _TOOL_RESPONSE
+    opening, closing = TOOL_RESPONSE
     inner = content.strip()
     if not (inner.startswith(opening) and inner.endswith(closing)):
         return message
     return {**message, "content": inner[len(opening) : -len(closing)].strip("\n")}
 
 
-def _weights(messages: list[dict[str, Any]], index: int) -> tuple[list[dict[str, Any]], frozenset[int]]:
+def split_weights(messages: list[dict[str, Any]], index: int) -> tuple[list[dict[str, Any]], frozenset[int]]:
     """Messages without their `weight` key (OpenAI's chat format: 0 keeps an assistant turn as context only,
     1 trains it), and the positions of the replies of weight 0."""
     if not any("weight" in message for message in messages):
@@ -43,7 +43,7 @@ def _weights(messages: list[dict[str, Any]], index: int) -> tuple[list[dict[str,
     return [{k: v for k, v in message.items() if k != "weight"} for message in messages], frozenset(skipped)
 
 
-def _check_rendered_fields(messages: list[dict[str, Any]], template: str, index: int) -> None:
+def check_rendered_fields(messages: list[dict[str, Any]], template: str, index: int) -> None:
     """Tool calls go to templates that render them; a template that never reads them would drop them from
     the text without a word, and the reply would train as if no call had been made."""
     for number, message in enumerate(messages):
@@ -60,7 +60,7 @@ def _check_rendered_fields(messages: list[dict[str, Any]], template: str, index:
 REASONING_FIELDS = ("reasoning_content", "thinking")
 
 
-def _reasoning_for(message: dict[str, Any], field: str | None, where: str) -> dict[str, Any]:
+def reasoning_for(message: dict[str, Any], field: str | None, where: str) -> dict[str, Any]:
     """The message with its reasoning where the template reads it: under the template's field whichever of the
     two the data used, or, for a template that reads none, as a leading <think> block of the content (as such
     data writes it), trained (or kept as context) and counted like any."""
@@ -80,7 +80,7 @@ def _reasoning_for(message: dict[str, Any], field: str | None, where: str) -> di
     return {**rest, "content": f"<think>\n{str(reasoning).strip()}\n</think>\n\n{message.get('content') or ''}"}
 
 
-def _reasoning_apart(message: dict[str, Any], field: str, index: int = -1) -> dict[str, Any]:
+def reasoning_apart(message: dict[str, Any], field: str, index: int = -1) -> dict[str, Any]:
     """An assistant message with a leading <think> block in its content, as the same message with the block
     in the template's reasoning `field`: templates that take `reasoning_content` render both alike (harmony
     writes `thinking` on its analysis channel, where a model trained on it reasons), and with the reasoning
@@ -118,7 +118,7 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
-def _roles_and_texts(messages: Any) -> tuple[tuple[str, ...], list[str]] | None:
+def roles_and_texts(messages: Any) -> tuple[tuple[str, ...], list[str]] | None:
     """The roles and the texts of a conversation whose messages are each a role (not a tool's) and a non-empty
     text, and nothing else, as most data is: `chat_messages` would return it as it is, and a skeleton keyed by
     its roles, filled with its texts, renders it. None for any other conversation."""
@@ -218,6 +218,21 @@ def _tool_calls(calls: Any, where: str) -> Any:
     return parsed
 
 
+def with_text_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with its tool calls' arguments as JSON text, for a template that writes them as it is given them
+    (`finetune.data.chat.templates.arguments_as_text`)."""
+    if not isinstance(message.get("tool_calls"), list):
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        holder = call.get("function") if isinstance(call, dict) and isinstance(call.get("function"), dict) else call
+        if isinstance(holder, dict) and isinstance(holder.get("arguments"), dict):
+            holder = {**holder, "arguments": json.dumps(holder["arguments"], ensure_ascii=False)}
+            call = {**call, "function": holder} if isinstance(call.get("function"), dict) else holder
+        calls.append(call)
+    return {**message, "tool_calls": calls}
+
+
 # ShareGPT's speakers (`from`), as chat templates name the roles: its own names and those of the datasets
 # written in it (glaive/Hermes function calling, Cohere, OpenAI's older `function` role). Others are refused.
 _SHAREGPT_ROLES = {
@@ -269,7 +284,7 @@ def describe(value: Any) -> str:
     return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
 
 
-def _reasoning_of(message: dict[str, Any]) -> str | None:
+def reasoning_of(message: dict[str, Any]) -> str | None:
     """The field holding a message's reasoning as text (checked messages have at most one), or None."""
     for field in REASONING_FIELDS:
         reasoning = message.get(field)

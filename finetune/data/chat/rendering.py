@@ -12,62 +12,66 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from finetune.data.chat.messages import (
-    _TOOL_RESPONSE,
-    _check_rendered_fields,
-    _reasoning_apart,
-    _reasoning_for,
-    _roles_and_texts,
-    _unwrapped_tool_result,
-    _weights,
+    TOOL_RESPONSE,
     chat_messages,
     chat_tools,
+    check_rendered_fields,
+    reasoning_apart,
+    reasoning_for,
+    roles_and_texts,
+    split_weights,
+    unwrapped_tool_result,
+    with_text_arguments,
 )
 from finetune.data.chat.spans import Prompt
-from finetune.data.chat.templates import reasoning_field
+from finetune.data.chat.templates import arguments_as_text, reasoning_field
 from finetune.errors import FinetuneError, first_line
 
 
 @dataclass(slots=True)
-class _Batch:
-    """A batch of conversations checked and normalized (`_check`), as columns."""
+class ChatBatch:
+    """A batch of conversations checked and normalized (`check_batch`), as columns."""
 
     tokenizer: PreTrainedTokenizerBase
     messages: list[list[dict[str, Any]]]
     tools: list[list[dict[str, Any]] | None]
     indices: list[int]
     roles: list[tuple[str, ...] | None]
-    """The roles of each conversation that is only roles and texts, without tools (`_roles_and_texts`); else None."""
+    """The roles of each conversation that is only roles and texts, without tools (`roles_and_texts`); else None."""
     contents: list[list[str] | None]
     """The texts of those conversations, in message order: with the roles, all that a skeleton needs of them."""
     untrained: list[frozenset[int]]
     """The positions of each conversation's replies marked `"weight": 0` (OpenAI's chat format): context only."""
 
-    def chat(self, n: int) -> _Chat:
+    def chat(self, n: int) -> Chat:
         """Conversation n, as the renderings that take it one at a time need it."""
-        return _Chat(self.tokenizer, self.messages[n], self.tools[n], self.indices[n])
+        return Chat(self.tokenizer, self.messages[n], self.tools[n], self.indices[n])
 
 
-def _check(
+def check_batch(
     conversations: list[Any], tools: list[Any], indices: list[int], tokenizer: PreTrainedTokenizerBase
-) -> _Batch:
+) -> ChatBatch:
     """Each conversation checked and normalized (`chat_messages`), with its tools parsed."""
     template = tokenizer.chat_template or ""
     field = reasoning_field(tokenizer)
-    wraps_tool_results = _TOOL_RESPONSE[0] in template
+    calls_as_text = "tool_calls" in template and arguments_as_text(tokenizer)
+    wraps_tool_results = TOOL_RESPONSE[0] in template
     checked, parsed, roles, contents, untrained = [], [], [], [], []
     for messages, schemas, index in zip(conversations, tools, indices, strict=True):
-        plain = _roles_and_texts(messages)
+        plain = roles_and_texts(messages)
         skipped: frozenset[int] = frozenset()
         if plain is None:
             messages = chat_messages(messages, index)
+            if calls_as_text:
+                messages = [with_text_arguments(message) for message in messages]
             if wraps_tool_results:
-                messages = [_unwrapped_tool_result(message) for message in messages]
-            messages, skipped = _weights(messages, index)
-            _check_rendered_fields(messages, template, index)
-            messages = [_reasoning_for(message, field, f"sample {index}, message {n}") for n, message in
+                messages = [unwrapped_tool_result(message) for message in messages]
+            messages, skipped = split_weights(messages, index)
+            check_rendered_fields(messages, template, index)
+            messages = [reasoning_for(message, field, f"sample {index}, message {n}") for n, message in
                         enumerate(messages)]  # fmt: skip
         if field is not None:
-            apart = [_reasoning_apart(message, field, index) for message in messages]
+            apart = [reasoning_apart(message, field, index) for message in messages]
             if any(map(operator.is_not, apart, messages)):
                 messages, plain = apart, None
         schemas = chat_tools(schemas, index) if schemas is not None else None
@@ -84,27 +88,27 @@ def _check(
         roles.append(plain[0] if plain is not None else None)
         contents.append(plain[1] if plain is not None else None)
         untrained.append(skipped)
-    return _Batch(tokenizer, checked, parsed, indices, roles, contents, untrained)
+    return ChatBatch(tokenizer, checked, parsed, indices, roles, contents, untrained)
 
 
-def _replies(messages: list[dict[str, Any]]) -> tuple[int, ...]:
+def reply_positions(messages: list[dict[str, Any]]) -> tuple[int, ...]:
     """The positions of the assistant messages."""
     return tuple(i for i, message in enumerate(messages) if message["role"] == "assistant")
 
 
-def _render_all(batch: _Batch) -> list[str]:
+def render_all(batch: ChatBatch) -> list[str]:
     """Each conversation's text, rendered in one `apply_chat_template` call per set of tools (the
     per-call work of transformers is then paid once per batch, as a batched `datasets.map` pays it);
     a refused batch is rendered again one conversation at a time, to name the sample the template refuses."""
     if not batch.messages:
         return []
-    texts = _render_batches(batch.messages, batch.tools, batch.tokenizer)
+    texts = render_batches(batch.messages, batch.tools, batch.tokenizer)
     if None in texts:
         return [text if text is not None else batch.chat(n).render() for n, text in enumerate(texts)]
     return texts
 
 
-def _render_batches(
+def render_batches(
     conversations: list[list[dict[str, Any]]],
     tools: list[list[dict[str, Any]] | None],
     tokenizer: PreTrainedTokenizerBase,
@@ -135,12 +139,12 @@ def _render_group(
 def _render_or_none(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: Any) -> str | None:
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
-    except Exception:  # the caller renders it again through _Chat.render, which names the sample
+    except Exception:  # the caller renders it again through Chat.render, which names the sample
         return None
 
 
 @dataclass(slots=True)
-class _Chat:
+class Chat:
     """One checked conversation, its tools, and its sample index: what every rendering of it needs."""
 
     tokenizer: PreTrainedTokenizerBase
@@ -185,7 +189,7 @@ class _Chat:
         where message i - 1 is a user's, system's or tool's with text; else None."""
         return prompt_after(self.tokenizer, self.messages[:i], self.tools)
 
-    def up_to(self, i: int) -> _Chat:
+    def up_to(self, i: int) -> Chat:
         return dataclasses.replace(self, messages=self.messages[: i + 1])
 
 

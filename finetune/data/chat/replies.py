@@ -9,11 +9,11 @@ from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from finetune.data.chat.messages import _reasoning_of, unclosed_think
-from finetune.data.chat.rendering import _Chat, _check, _render_all, _replies
-from finetune.data.chat.skeleton import _filled_spans, _skeletons, _with_placeholder
-from finetune.data.chat.spans import _Regions, _spans, _UnclosedThink
-from finetune.data.chat.templates import _PROBE_CALL, _PROBE_TOOL, _SENTINEL, TemplateShape, template_shape
+from finetune.data.chat.messages import reasoning_of, unclosed_think
+from finetune.data.chat.rendering import Chat, check_batch, render_all, reply_positions
+from finetune.data.chat.skeleton import filled_spans, skeletons_of, with_placeholder
+from finetune.data.chat.spans import Regions, UnclosedThink, spans_of
+from finetune.data.chat.templates import PROBE_CALL, PROBE_TOOL, SENTINEL, TemplateShape, template_shape
 from finetune.errors import FinetuneError
 
 MultiTurn = Literal["full", "per_turn", "last"]
@@ -80,8 +80,8 @@ def render_chats(
     conversations whose replies cannot be located together. `indices` name samples in errors.
     """
     indices = indices if indices is not None else list(range(len(conversations)))
-    batch = _check(conversations, tools if tools is not None else [None] * len(conversations), indices, tokenizer)
-    texts = _render_all(batch)
+    batch = check_batch(conversations, tools if tools is not None else [None] * len(conversations), indices, tokenizer)
+    texts = render_all(batch)
     if not completion_only:
         if any(batch.untrained):
             n = next(n for n, skipped in enumerate(batch.untrained) if skipped)
@@ -92,8 +92,8 @@ def render_chats(
         return RenderedChats(texts, [[(0, len(text))] for text in texts], [[] for _ in texts], [False] * len(texts))
     shape = template_shape(tokenizer)
     spans, reasoning, per_turn = [], [], {}
-    for n, (text, (skeleton, values)) in enumerate(zip(texts, _skeletons(batch, shape), strict=True)):
-        replies = skeleton.replies if skeleton is not None else _replies(batch.messages[n])
+    for n, (text, (skeleton, values)) in enumerate(zip(texts, skeletons_of(batch, shape), strict=True)):
+        replies = skeleton.replies if skeleton is not None else reply_positions(batch.messages[n])
         if not replies:
             raise FinetuneError(
                 f"sample {indices[n]} has no assistant message to train on; remove it, or set "
@@ -108,9 +108,9 @@ def render_chats(
                 reasoning.append([])
                 continue
         try:
-            located = _filled_spans(skeleton, values, trained, text) if skeleton is not None else None
+            located = filled_spans(skeleton, values, trained, text) if skeleton is not None else None
             located = located or _reply_spans(batch.chat(n), shape, trained, text)
-        except _UnclosedThink:
+        except UnclosedThink:
             raise unclosed_think(indices[n]) from None
         if located is None:
             if multi_turn != "per_turn":
@@ -121,7 +121,7 @@ def render_chats(
                 )
             try:
                 per_turn[n] = _per_turn(batch.chat(n), shape, list(trained))
-            except _UnclosedThink:
+            except UnclosedThink:
                 raise unclosed_think(indices[n]) from None
             located = [], []
         spans.append(located[0])
@@ -138,7 +138,7 @@ def _expanded(rendered: RenderedChats, per_turn: dict[int, list[RenderedChat]]) 
     return RenderedChats.of(samples)
 
 
-def _per_turn(chat: _Chat, shape: TemplateShape, replies: list[int]) -> list[RenderedChat]:
+def _per_turn(chat: Chat, shape: TemplateShape, replies: list[int]) -> list[RenderedChat]:
     """One sample per assistant reply: the conversation up to it, that reply trained."""
     samples = []
     for i in replies:
@@ -164,7 +164,7 @@ _PROBES = {
     ],
     "parallel tool calls, their results and an answer": [
         {"role": "user", "content": "Look two words up."},
-        {"role": "assistant", "tool_calls": [_PROBE_CALL, _PROBE_CALL]},
+        {"role": "assistant", "tool_calls": [PROBE_CALL, PROBE_CALL]},
         {"role": "tool", "content": "one result"}, {"role": "tool", "content": "another result"},
         {"role": "assistant", "content": "Both found."},
     ],
@@ -182,7 +182,7 @@ def probe_template(tokenizer: PreTrainedTokenizerBase) -> str:
         calls = any(message.get("tool_calls") for message in conversation)
         if calls and "tool_calls" not in tokenizer.chat_template:
             continue  # a template that writes no calls: tool data is refused, and says why, when tokenized
-        schemas = [[_PROBE_TOOL]] if calls and "tools" in tokenizer.chat_template else None
+        schemas = [[PROBE_TOOL]] if calls and "tools" in tokenizer.chat_template else None
         try:
             render_chats([conversation], tokenizer, True, tools=schemas)
         except FinetuneError as exc:
@@ -195,7 +195,7 @@ def probe_template(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def _reply_spans(
-    chat: _Chat, shape: TemplateShape, trained: list[int], text: str
+    chat: Chat, shape: TemplateShape, trained: list[int], text: str
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
     """Character spans in `text` of the replies `trained` (message positions), and of the reasoning
     inside them, or None when the template's rendering does not let them be located (see `render_chats`)."""
@@ -203,18 +203,18 @@ def _reply_spans(
     names = {}  # reply -> the call name its placeholder stands for (a reply of tool calls only)
     calls = {}  # reply -> the name of the first call of a reply with text and calls, and the placeholder in its place
     for k, i in enumerate(trained):
-        replaced = _with_placeholder(chat.messages[i], _SENTINEL.format(k))
+        replaced = with_placeholder(chat.messages[i], SENTINEL.format(k))
         if replaced is None:
             return None
         message = replaced[0]
         if not chat.messages[i].get("content"):
             names[k] = replaced[1]
-        elif message.get("tool_calls") and (named := _with_placeholder({"tool_calls": message["tool_calls"]},
-                                                                       _SENTINEL.format(f"n{k}"))):  # fmt: skip
+        elif message.get("tool_calls") and (named := with_placeholder({"tool_calls": message["tool_calls"]},
+                                                                       SENTINEL.format(f"n{k}"))):  # fmt: skip
             message = {**message, "tool_calls": named[0]["tool_calls"]}
-            calls[k] = named[1], _SENTINEL.format(f"n{k}")
-        if (field := _reasoning_of(message)) is not None:
-            message = {**message, field: _SENTINEL.format(f"r{k}")}
+            calls[k] = named[1], SENTINEL.format(f"n{k}")
+        if (field := reasoning_of(message)) is not None:
+            message = {**message, field: SENTINEL.format(f"r{k}")}
         placeholders[i] = message
     marked = chat.render(placeholders)
     for k, (name, placeholder) in calls.items():
@@ -229,7 +229,7 @@ def _reply_spans(
     for k, name in names.items():
         # Templates that name the call again in its result's header (harmony's `functions.get_weather to=...`,
         # gemma-4's): the first place is the call's; the later ones are template text, the name as written.
-        placeholder = _SENTINEL.format(k)
+        placeholder = SENTINEL.format(k)
         first = marked.find(placeholder) + len(placeholder)
         if first >= len(placeholder):
             marked = marked[:first] + marked[first:].replace(placeholder, name)
@@ -237,7 +237,7 @@ def _reply_spans(
     # not at all (templates drop the reasoning of earlier replies).
     found = []
     for k, i in enumerate(trained):
-        for kind, placeholder in (("reasoning", _SENTINEL.format(f"r{k}")), ("reply", _SENTINEL.format(k))):
+        for kind, placeholder in (("reasoning", SENTINEL.format(f"r{k}")), ("reply", SENTINEL.format(k))):
             count = marked.count(placeholder)
             if kind == "reply" and count == 0 and chat.messages[i].get("tool_calls") and k not in names:
                 raise FinetuneError(
@@ -261,7 +261,7 @@ def _reply_spans(
     if not (text.startswith(segments[0]) and text.endswith(segments[-1])):
         return None
     # Where each placeholder's real text lies: between the template text before and after it.
-    regions: _Regions = {}
+    regions: Regions = {}
     position, end_of_text = len(segments[0]), len(text) - len(segments[-1])
     for j, (_, kind, k, _) in enumerate(found):
         following = segments[j + 1]
@@ -271,10 +271,12 @@ def _reply_spans(
         regions[kind, k] = (position, end, j)
         position = end + len(following)
     prompts = [chat.prompt_before(i) for i in trained]
-    return _spans(text, regions, shape, len(trained), _floors(chat.messages, trained, regions, text), prompts)
+    calls = [len(chat.messages[i].get("tool_calls") or []) for i in trained]
+    floors = _floors(chat.messages, trained, regions, text)
+    return spans_of(text, regions, shape, len(trained), floors, prompts, calls)
 
 
-def _floors(messages: list[dict[str, Any]], trained: list[int], regions: _Regions, text: str) -> list[int]:
+def _floors(messages: list[dict[str, Any]], trained: list[int], regions: Regions, text: str) -> list[int]:
     """Where the text of the message before each trained reply ends in `text` (0 where it cannot be told): the
     reply's header comes after it."""
     floors, previous = [], 0

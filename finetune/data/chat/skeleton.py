@@ -11,10 +11,10 @@ from typing import Any, NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
-from finetune.data.chat.messages import _reasoning_of
-from finetune.data.chat.rendering import _Batch, _render_batches, _replies, prompt_after
-from finetune.data.chat.spans import Prompt, _first_of, _header_end, _Regions, _spans, _think_block
-from finetune.data.chat.templates import _SENTINEL, TemplateShape
+from finetune.data.chat.messages import reasoning_of
+from finetune.data.chat.rendering import ChatBatch, prompt_after, render_batches, reply_positions
+from finetune.data.chat.spans import Prompt, Regions, header_end, spans_of, think_block, turn_end
+from finetune.data.chat.templates import SENTINEL, TemplateShape
 
 
 class _Skeleton:
@@ -29,6 +29,7 @@ class _Skeleton:
         shape: TemplateShape,
         messages: int | None,
         prompt_before: Callable[[int], Prompt | None],
+        calls: tuple[int, ...] = (),
     ):
         """`replies`: the positions of the assistant messages, as in every conversation of this structure;
         `messages`: their number where conversations give their texts as the list of contents (roles and
@@ -36,6 +37,8 @@ class _Skeleton:
         writes after message i - 1's placeholder to prompt reply i."""
         self.pieces, self.replies, self.shape = pieces, replies, shape
         self.prompt_before = functools.cache(prompt_before)
+        self.calls = calls
+        """How many tool calls each message makes (none where the conversations are roles and texts)."""
         names = pieces[1::2]
         self.kinds = {name[0] for name in names}
         """"c" (contents), and "r" where the template wrote reasoning given apart."""
@@ -71,7 +74,7 @@ class _Skeleton:
 
     def _layout(self, plan: list[tuple[int, str, int]], trained: tuple[int, ...]) -> list[_Laid] | None:
         """Where each reply's span starts and ends relative to the pieces, when the template text right
-        before it holds its header and the text right after it its end marker: then `_spans` finds them
+        before it holds its header and the text right after it its end marker: then `spans_of` finds them
         there in every conversation of this skeleton (a match further out is never the last header or
         the first marker), and the spans are sums of piece lengths. None where a search would have to
         look beyond those pieces, into the texts."""
@@ -80,12 +83,13 @@ class _Skeleton:
         for k, i in enumerate(trained):
             content, thought = at["reply", k], at.get(("reasoning", k), -1)
             first = thought if 0 <= thought < content else content
-            header = _header_end(self.pieces[first - 1], self.shape, self.prompt_before(i))
+            header = header_end(self.pieces[first - 1], self.shape, self.prompt_before(i))
             after, shape = self.pieces[content + 1], self.shape
-            marker, closing = _first_of(after, shape.end_markers, 0, len(after)) if shape.end_markers else (0, "")
+            calls = self.calls[i] if self.calls else 0
+            marker, closing = turn_end(after, shape, 0, len(after), calls) if shape.end_markers else (0, "")
             end = marker + len(closing)
             if marker < 0 and content + 1 == len(self.pieces) - 1 and shape.last_end_marker:
-                last = after.find(shape.last_end_marker)  # the conversation's last reply, closed as `_spans` says
+                last = after.find(shape.last_end_marker)  # the conversation's last reply, closed as `spans_of` says
                 marker, end = last, last + len(shape.last_end_marker)
             if header is None or marker < 0:
                 return None
@@ -114,7 +118,7 @@ _Texts = list[str] | dict[str, str]
 by placeholder name."""
 
 
-def _skeletons(batch: _Batch, shape: TemplateShape) -> list[tuple[_Skeleton | None, _Texts]]:
+def skeletons_of(batch: ChatBatch, shape: TemplateShape) -> list[tuple[_Skeleton | None, _Texts]]:
     """The skeleton of each conversation, rendered once per distinct structure in the batch (roles,
     tool calls, tools: everything but the texts), so that locating replies costs no second rendering
     of each conversation (None where the template refuses the placeholders), and the texts that fill it."""
@@ -130,7 +134,7 @@ def _skeletons(batch: _Batch, shape: TemplateShape) -> list[tuple[_Skeleton | No
             key: Any = roles
             values: _Texts = contents
             if key not in structures:
-                messages = [{"role": role, "content": _SENTINEL.format(f"c{i}")} for i, role in enumerate(key)]
+                messages = [{"role": role, "content": SENTINEL.format(f"c{i}")} for i, role in enumerate(key)]
                 structures[key] = (messages, None, len(messages))
         else:
             messages, values = [], {}
@@ -143,11 +147,12 @@ def _skeletons(batch: _Batch, shape: TemplateShape) -> list[tuple[_Skeleton | No
         keys.append(key)
         fillings.append(values)
     structure = list(structures.values())
-    rendered = _render_batches([s[0] for s in structure], [s[1] for s in structure], batch.tokenizer)
+    rendered = render_batches([s[0] for s in structure], [s[1] for s in structure], batch.tokenizer)
     skeletons = {
         key: _Skeleton(
-            _PLACEHOLDER.split(text), _replies(messages), shape, count,
+            _PLACEHOLDER.split(text), reply_positions(messages), shape, count,
             functools.partial(_prompt_before, batch.tokenizer, messages, tools),
+            tuple(len(message.get("tool_calls") or []) for message in messages),
         ) if text is not None else None
         for key, (messages, tools, count), text in zip(structures, structure, rendered, strict=True)
     }  # fmt: skip
@@ -157,15 +162,15 @@ def _skeletons(batch: _Batch, shape: TemplateShape) -> list[tuple[_Skeleton | No
 def _placeholders(message: dict[str, Any], i: int) -> tuple[dict[str, Any], dict[str, str]]:
     """Message i with placeholders in place of its texts, and the texts they stand for by placeholder name."""
     values = {}
-    replaced = _with_placeholder(message, _SENTINEL.format(f"c{i}"))
+    replaced = with_placeholder(message, SENTINEL.format(f"c{i}"))
     if replaced is not None:
         message, values[f"c{i}"] = replaced
-    if (field := _reasoning_of(message)) is not None:
-        message, values[f"r{i}"] = {**message, field: _SENTINEL.format(f"r{i}")}, message[field]
+    if (field := reasoning_of(message)) is not None:
+        message, values[f"r{i}"] = {**message, field: SENTINEL.format(f"r{i}")}, message[field]
     return message, values
 
 
-def _filled_spans(
+def filled_spans(
     skeleton: _Skeleton, values: _Texts, trained: tuple[int, ...], text: str
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
     """The replies' spans when the skeleton filled with the conversation's texts (`values`) is exactly
@@ -181,12 +186,13 @@ def _filled_spans(
         return None
     if layout is None:
         starts = list(itertools.accumulate(map(len, parts), initial=0))  # part n of the text starts at starts[n]
-        regions: _Regions = {(kind, k): (starts[n], starts[n + 1], j) for j, (n, kind, k) in enumerate(plan)}
+        regions: Regions = {(kind, k): (starts[n], starts[n + 1], j) for j, (n, kind, k) in enumerate(plan)}
         # Each reply's header is after the text of the message before it (the piece before its first placeholder).
         firsts = {k: n for n, _, k in sorted(plan, reverse=True)}
         floors = [starts[firsts[k] - 1] for k in range(len(trained))]
         prompts = [skeleton.prompt_before(i) for i in trained]
-        return _spans(text, regions, skeleton.shape, len(trained), floors, prompts)
+        calls = [skeleton.calls[i] if skeleton.calls else 0 for i in trained]
+        return spans_of(text, regions, skeleton.shape, len(trained), floors, prompts, calls)
     # Part n of the text starts at sum(lengths[:n]), summed only where a span needs it; plain loops, as
     # comprehensions are calls of their own before Python 3.12: this runs for every conversation of a dataset.
     lengths = list(map(len, parts))
@@ -198,12 +204,12 @@ def _filled_spans(
             if thought >= 0:
                 at = sum(lengths[:thought])
                 reasoning.append((at, at + lengths[thought]))
-            elif think := _think_block(text, at := sum(lengths[:content]), at + lengths[content]):
+            elif think := think_block(text, at := sum(lengths[:content]), at + lengths[content]):
                 reasoning.append(think)
     return spans, reasoning
 
 
-def _with_placeholder(message: dict[str, Any], placeholder: str) -> tuple[dict[str, Any], str] | None:
+def with_placeholder(message: dict[str, Any], placeholder: str) -> tuple[dict[str, Any], str] | None:
     """The message with `placeholder` in place of its content or, for a reply that is only tool calls, in
     place of its first call's name (its span still runs from the assistant header to the end marker),
     and the text the placeholder replaced."""

@@ -11,24 +11,25 @@ Prompt = tuple[str, tuple[int, ...]]
 """What a template writes after a message's text to prompt the reply that follows it (the rest of the message's
 turn and the generation prompt), and where its tokens end: a reply starts where the text stops following it."""
 
-_Regions = dict[tuple[str, int], tuple[int, int, int]]
+Regions = dict[tuple[str, int], tuple[int, int, int]]
 """(kind, reply) -> where the reply's content ("reply") or reasoning lies in the text: start, end, and
 its number in the order the template wrote them. The template's own text lies between regions."""
 
 
-def _spans(
+def spans_of(
     text: str,
-    regions: _Regions,
+    regions: Regions,
     shape: TemplateShape,
     replies: int,
     floors: list[int] | None = None,
     prompts: list[Prompt | None] | None = None,
+    calls: list[int] | None = None,
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """The trained span of each reply, from its assistant header through its turn's end marker, and
     the spans of the reasoning inside them. `floors`: where each reply's previous message's text ends, where it
     is known: its header is after it (a template that writes a header before a tool's result, as DeepSeek-R1's
     `<｜Assistant｜>`, does not open the reply after the result with it); `prompts`: what the template writes
-    there to prompt each reply (`Prompt`), where known."""
+    there to prompt each reply (`Prompt`), where known; `calls`: how many tool calls each reply makes."""
     # The template's text before region j runs from the end of region j - 1 (or 0) to its start.
     bounds = {j: (start, end) for start, end, j in regions.values()}
     spans, reasoning = [], []
@@ -41,7 +42,7 @@ def _spans(
         anchored = floors is not None and prompts is not None and floors[k] >= after_region
         start = _reply_start(text, floor, first_start, shape, prompts[k] if anchored else None)
         following_end = bounds[j + 1][0] if j + 1 in bounds else len(text)
-        marker, closing = _first_of(text, shape.end_markers, content_end, following_end)
+        marker, closing = turn_end(text, shape, content_end, following_end, calls[k] if calls else 0)
         end = marker + len(closing) if marker >= 0 else content_end
         if marker < 0 and following_end == len(text) and shape.last_end_marker:
             # The conversation's last reply, closed as only a last one is (harmony's <|return|>): trained too.
@@ -50,7 +51,7 @@ def _spans(
         spans.append((start, end))
         if thought is not None:
             reasoning.append(thought[:2])
-        elif (think := _think_block(text, content_start, content_end)) is not None:
+        elif (think := think_block(text, content_start, content_end)) is not None:
             reasoning.append(think)
     return spans, reasoning
 
@@ -64,7 +65,21 @@ def _first_of(text: str, markers: tuple[str, ...], start: int, end: int) -> tupl
     return at, marker
 
 
-def _header_end(template_text: str, shape: TemplateShape, prompt: Prompt | None = None) -> int | None:
+def turn_end(text: str, shape: TemplateShape, start: int, end: int, calls: int) -> tuple[int, str]:
+    """Where the turn of a reply whose content ends at `start` ends in text[start:end] (`_first_of` its end
+    markers): after its last call, where the template closes every call with the marker a turn of calls ends with
+    (gemma-4's `<tool_call|>`), and the reply makes several."""
+    at, marker = _first_of(text, shape.end_markers, start, end)
+    if marker and marker == shape.call_end_marker and shape.call_end_each:
+        for _ in range(calls - 1):
+            following = text.find(marker, at + len(marker), end)
+            if following < 0:
+                break
+            at = following
+    return at, marker
+
+
+def header_end(template_text: str, shape: TemplateShape, prompt: Prompt | None = None) -> int | None:
     """Where `_reply_start` would find a reply's start inside the template text between the previous message's text
     and the reply, or None where it would search further back (no header is in that text)."""
     if not shape.headers:
@@ -94,18 +109,18 @@ def _last_header_end(text: str, start: int, end: int, headers: tuple[str, ...]) 
     return found
 
 
-def _think_block(text: str, start: int, end: int) -> tuple[int, int] | None:
+def think_block(text: str, start: int, end: int) -> tuple[int, int] | None:
     """The reasoning of a reply whose content opens with a <think> block the template kept as it was."""
     opened = text.find("<think>", start, end)
     if opened < 0 or text[start:opened].strip():
         return None
     closed = text.find("</think>", opened, end)
     if closed < 0:
-        raise _UnclosedThink
+        raise UnclosedThink
     return opened + len("<think>"), closed
 
 
-class _UnclosedThink(Exception):
+class UnclosedThink(Exception):
     """A reply's think block has no end; `render_chats` names the sample (`unclosed_think`)."""
 
 

@@ -4,6 +4,7 @@ end-of-turn markers), learned once per template by rendering probe conversations
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 from collections.abc import Callable
@@ -25,7 +26,7 @@ def reasoning_field(tokenizer: PreTrainedTokenizerBase) -> str | None:
 @functools.lru_cache(maxsize=8)
 def _reasoning_field(render: _Renderer) -> str | None:
     # Rendered, not searched for: a template may name `thinking` for something else (Qwen3's `enable_thinking`).
-    probe = _SENTINEL.format("probe")
+    probe = SENTINEL.format("probe")
     for field in REASONING_FIELDS:
         text = render([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", field: probe}])
         if text is not None and probe in text:
@@ -34,12 +35,34 @@ def _reasoning_field(render: _Renderer) -> str | None:
 
 
 # Every field a schema may have (a template may read a parameter's description: Command-R+'s does).
-_PROBE_TOOL = {"type": "function", "function": {"name": "lookup", "description": "Look a word up.", "parameters": {
+def arguments_as_text(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer's chat template writes a tool call's arguments as the text it is given (it concatenates
+    them, as DeepSeek-V3's does), rather than serializing an object (`tojson`, or its own layout): decided by
+    rendering a probe call both ways, never by the template's name."""
+    return bool(tokenizer.chat_template) and _arguments_as_text(_Renderer(tokenizer))
+
+
+@functools.lru_cache(maxsize=8)
+def _arguments_as_text(render: _Renderer) -> bool:
+    def rendered(arguments: Any) -> str | None:
+        call = {**_PROBE_CALL_ID, "function": {**_PROBE_CALL_ID["function"], "arguments": arguments}}
+        messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        return render(messages, tools=[PROBE_TOOL])
+
+    as_object = rendered({"word": _PROBE_VALUE})
+    as_text = rendered(json.dumps({"word": _PROBE_VALUE}))
+    if as_text is None or _PROBE_VALUE not in as_text:
+        return False
+    # Refused, or written as Python's repr of a dict (`{'word': ...}`: concatenated, not serialized).
+    return as_object is None or f"'word': '{_PROBE_VALUE}'" in as_object
+
+
+PROBE_TOOL = {"type": "function", "function": {"name": "lookup", "description": "Look a word up.", "parameters": {
     "type": "object", "properties": {"word": {"type": "string", "description": "The word."}},
     "required": ["word"]}}}  # fmt: skip
 
 
-_PROBE_CALL = {"type": "function", "function": {"name": "lookup", "arguments": {"word": "probe"}}}
+PROBE_CALL = {"type": "function", "function": {"name": "lookup", "arguments": {"word": "probe"}}}
 
 
 def read_chat_template(value: str, named: dict[str, str] | None = None) -> str:
@@ -95,7 +118,7 @@ def _check_renders(template: str) -> None:
         compiled = _compile_jinja_template(template)
     except Exception as exc:  # jinja2.TemplateSyntaxError, with the line
         raise FinetuneError(f"data.chat_template is not a valid Jinja template ({first_line(exc)}); fix it") from None
-    probe = [{"role": role, "content": _SENTINEL.format(role)} for role in ("system", "user", "assistant")]
+    probe = [{"role": role, "content": SENTINEL.format(role)} for role in ("system", "user", "assistant")]
     problem = ""
     for messages in (probe, probe[1:]):  # templates that refuse system messages are tried without one
         try:
@@ -131,6 +154,8 @@ class TemplateShape:
     call_end_marker: str = ""
     """The marker a turn of tool calls ends with, where it is not `end_marker` (harmony's `<|call|>`, gemma-4's
     `<tool_call|>`, GLM's `<|observation|>`: its turns end where the next opens)."""
+    call_end_each: bool = False
+    """`call_end_marker` closes each call (gemma-4's), not the turn: a turn of several ends after its last."""
     headers: tuple[str, ...] = ()
     """What may open an assistant turn, the longest first: the reply prefix and the generation prompt, and both
     less a think tag the generation prompt ends with. A prompt that opens the reasoning (QwQ's, DeepSeek-R1's
@@ -144,7 +169,7 @@ class TemplateShape:
         return tuple(marker for marker in dict.fromkeys([self.end_marker, self.call_end_marker]) if marker)
 
 
-_SENTINEL = "\ue000{}\ue001"  # private-use characters: in no template, untouched by trim
+SENTINEL = "\ue000{}\ue001"  # private-use characters: in no template, untouched by trim
 
 
 def template_shape(tokenizer: PreTrainedTokenizerBase) -> TemplateShape:
@@ -195,12 +220,12 @@ class _Renderer:
 def _template_shape(
     template: str, specials: tuple[str, ...], stops: tuple[str, ...], render: _Renderer
 ) -> TemplateShape:
-    user, reply, user2 = (_SENTINEL.format(f"probe{i}") for i in range(3))
+    user, reply, user2 = (SENTINEL.format(f"probe{i}") for i in range(3))
     # Probed without tools, or with one where the template renders nothing without (Hermes-3's and Command-R's
     # tool-use templates raise): its layout is learned either way, never left empty.
     tools = None
     if render([{"role": "user", "content": user}], generation=True) is None:
-        tools = [_PROBE_TOOL] if render([{"role": "user", "content": user}], True, [_PROBE_TOOL]) else None
+        tools = [PROBE_TOOL] if render([{"role": "user", "content": user}], True, [PROBE_TOOL]) else None
     tokenizer, render = render.tokenizer, functools.partial(render, tools=tools)
     prompt = render([{"role": "user", "content": user}], generation=True) or ""
     bare = render([{"role": "user", "content": user}]) or ""
@@ -237,8 +262,19 @@ def _template_shape(
     closed = bool(_through_last_special(user_closing, specials))
     call_end = _call_end_marker(render, end_marker, stops, specials, closed)
     return TemplateShape(
-        reply_prefix, generation_prompt, end_marker, last_end_marker, headers=headers, call_end_marker=call_end
-    )
+        reply_prefix, generation_prompt, end_marker, last_end_marker, headers=headers, call_end_marker=call_end,
+        call_end_each=bool(call_end) and _closes_each_call(render, call_end),
+    )  # fmt: skip
+
+
+def _closes_each_call(render: Callable[..., str | None], marker: str) -> bool:
+    """Whether the template writes `marker` after each of a turn's calls (two probe calls: twice after the first)."""
+    turns = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL_ID] * 2},
+    ]
+    text = render(turns, tools=[PROBE_TOOL]) or ""
+    return _PROBE_VALUE in text and text.split(_PROBE_VALUE, 1)[1].count(marker) >= 2
 
 
 _PROBE_VALUE = "qzvprobe"
@@ -262,10 +298,10 @@ def _call_end_marker(
     arguments that the call does not also write inside itself (gemma-4's string quotes `<|"|>` are the call's;
     its `<tool_call|>` ends it)."""
     turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL_ID]}]
-    result = _SENTINEL.format("result")
+    result = SENTINEL.format("result")
     answer = {"role": "tool", "content": result, "tool_call_id": _PROBE_CALL_ID["id"], "name": "lookup"}
-    answered = render([*turns, answer], tools=[_PROBE_TOOL]) or ""
-    alone = render(turns, tools=[_PROBE_TOOL]) or ""
+    answered = render([*turns, answer], tools=[PROBE_TOOL]) or ""
+    alone = render(turns, tools=[PROBE_TOOL]) or ""
     if _PROBE_VALUE not in answered or result not in answered or _PROBE_VALUE not in alone:
         return ""  # a template that writes no calls, or no probe's: replies end at `end_marker`
     before_result = answered.rsplit(_PROBE_VALUE, 1)[1].split(result, 1)[0]
