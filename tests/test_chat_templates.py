@@ -854,9 +854,12 @@ def test_finetune_check_tries_the_template_on_agent_and_reasoning_shapes(base_to
 
     located = probe_template(template_tokenizer(base_tokenizer, FORCED_THINK_TOOLS, "<|im_end|>", ["<|im_start|>"]))
     assert located == (
-        "chat template: replies located exactly in multi-turn replies with reasoning, in parallel tool calls, "
-        "their results and an answer"
+        "chat template: replies located exactly in multi-turn replies with reasoning, in a tool call with reasoning "
+        "beside it, its result and an answer, in parallel tool calls, their results and an answer"
     )
+    drops = probe_template(template_tokenizer(base_tokenizer, DROPS_CALL_TEXT, "<|eot_id|>", ["<|end_header_id|>"]))
+    assert "cannot train a tool call with reasoning beside it, its result and an answer (its probe, message 1: the " \
+        "chat template writes no text for an assistant turn that makes tool calls" in drops  # fmt: skip
     summarized = probe_template(family_tokenizer(base_tokenizer, "last-reply-only"))
     assert summarized.startswith("chat template: cannot train multi-turn replies with reasoning (its probe: the ")
 
@@ -1023,3 +1026,155 @@ def test_each_template_behaviour_trains_the_same_characters_on_either_kind_of_to
     else:
         tokenizer = sentencepiece_style(template, eos, specials)
     assert trained_characters(tokenizer, messages, tools) == expected
+
+
+# The behaviours of the vendors' 2025-26 templates (#50; ../shared/chat-templates holds the real ones), each in a
+# small template of our own. One rule: a reply starts where its text stops following what the template writes to
+# prompt it, and ends at the model's own end of turn.
+
+# QwQ's non-thinking prompt opens and closes the reasoning (`<think>\n</think>`); a turn of calls opens with neither.
+CLOSED_THINK_TOOLS = FORCED_THINK_TOOLS.replace("<think>\\n' }}{% endif %}", "<think>\\n</think>' }}{% endif %}")
+
+
+def test_a_turn_of_calls_opens_with_less_than_a_prompt_that_closes_the_reasoning(base_tokenizer):
+    tokenizer = template_tokenizer(base_tokenizer, CLOSED_THINK_TOOLS, "<|im_end|>", ["<|im_start|>", "<think>",
+                                                                                      "</think>"])  # fmt: skip
+    assert "<think>\n</think>" in tokenizer.apply_chat_template(
+        TOOL_CHAT[:1], tokenize=False, add_generation_prompt=True
+    )
+    assert trained_and_ids(tokenizer, AGENT_CHAT)[0] == (
+        "Let me look." + WRAPPED.format("get_weather") + WRAPPED.format("get_time") + "<|im_end|>"
+        + WRAPPED.format("get_weather") + "<|im_end|>" + " Sunny, 9:00 — très beau.<|im_end|>"
+    )  # fmt: skip
+
+
+# Command-R7B's: a reply opens its own response (`<|START_RESPONSE|>`) and closes it and the turn; after the last
+# message the template always writes the next turn's header, so what follows a reply is another turn's opening.
+RESPONSE_THEN_HEADER = r"""{%- for m in messages %}
+{%- if m.role == 'assistant' %}{{- '<|SOT|><|BOT|><|SR|>' + m.content + '<|ER|><|EOT|>' }}
+{%- else %}{{- '<|SOT|><|' + m.role | upper + '|>' + m.content + '<|EOT|>' }}{% endif %}
+{%- endfor %}{{- '<|SOT|><|BOT|>' }}"""
+
+
+def test_a_reply_ends_at_the_models_end_of_turn_not_at_the_next_turns_opening(base_tokenizer):
+    markers = ["<|SOT|>", "<|BOT|>", "<|SR|>", "<|ER|>", "<|USER|>"]
+    tokenizer = template_tokenizer(base_tokenizer, RESPONSE_THEN_HEADER, "<|EOT|>", markers)
+    messages = turns(("user", "reverse: 1 2"), ("assistant", "2 1"), ("user", "and 3 4"), ("assistant", "4 3"))
+    assert trained_and_ids(tokenizer, messages)[0] == "<|SR|>2 1<|ER|><|EOT|><|SR|>4 3<|ER|><|EOT|>"
+
+
+# gemma-4's: a turn ends with `<turn|>` and a newline, and the tokenizer holds the newline as a token of its own.
+NEWLINE_AFTER_TURN = r"""{%- for m in messages %}
+{{- '<|turn>' + ('model' if m.role == 'assistant' else m.role) + '\n' + m.content + '<turn|>\n' }}
+{%- endfor %}{% if add_generation_prompt %}{{- '<|turn>model\n' }}{% endif %}"""
+
+
+def test_a_newline_token_after_the_end_of_turn_is_formatting_not_the_reply(base_tokenizer):
+    tokenizer = template_tokenizer(base_tokenizer, NEWLINE_AFTER_TURN, "<eos>", ["<|turn>", "<turn|>"])
+    tokenizer.add_tokens(["\n"])  # an added token that is white space: no marker
+    messages = turns(("user", "reverse: 1 2"), ("assistant", "2 1"), ("user", "and 3 4"), ("assistant", "4 3"))
+    assert trained_and_ids(tokenizer, messages)[0] == "2 1<turn|>4 3<turn|>"
+
+
+# GLM's: no turn closes; each ends where the next opens, a reply at `<|user|>`, a turn of calls at `<|observation|>`
+# (the tokens generation stops at), with its calls' arguments as tags.
+OPEN_ENDED_TURNS = r"""{%- for m in messages %}
+{%- if m.role == 'assistant' %}{{- '<|assistant|>\n' + (m.content or '') }}
+{%- for tc in m.tool_calls or [] %}{{- '<tool_call>' + tc.function.name }}
+{%- for k, v in tc.function.arguments.items() %}{{- '<arg_key>' + k + '</arg_key><arg_value>' + v + '</arg_value>' }}
+{%- endfor %}{{- '</tool_call>' }}{% endfor %}
+{%- elif m.role == 'tool' %}{{- '<|observation|>\n' + m.content }}
+{%- else %}{{- '<|' + m.role + '|>\n' + m.content }}{% endif %}
+{%- endfor %}{% if add_generation_prompt %}{{- '<|assistant|>\n' }}{% endif %}"""
+
+
+def test_turns_that_end_where_the_next_opens_train_through_that_opening(base_tokenizer):
+    tokenizer = template_tokenizer(base_tokenizer, OPEN_ENDED_TURNS, "<|endoftext|>", ["<|user|>", "<|assistant|>",
+                                                                                       "<|observation|>"])  # fmt: skip
+    chat = [*TOOL_CHAT, {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "You are welcome."}]
+    assert trained_and_ids(tokenizer, chat)[0] == (
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call><|observation|>"
+        "It is sunny.<|user|>You are welcome."
+    )
+
+
+# gemma-4's: each call closes with `<tool_call|>`, the token its turn of calls ends at; parallel calls, one after
+# another, and the results follow in the same turn.
+CLOSED_CALLS = r"""{%- for m in messages %}
+{%- if m.role == 'assistant' %}
+{%- if not (loop.index0 > 0 and messages[loop.index0 - 1].role == 'tool') %}{{- '<|turn>model\n' }}{% endif %}
+{%- for tc in m.tool_calls or [] %}{{- '<|tool_call>call:' + tc.function.name + (tc.function.arguments | tojson)
+    + '<tool_call|>' }}{% endfor %}
+{%- if m.content %}{{- m.content + '<turn|>\n' }}{% endif %}
+{%- elif m.role == 'tool' %}{{- '<|tool_response>' + m.content + '<tool_response|>' }}
+{%- else %}{{- '<|turn>' + m.role + '\n' + m.content + '<turn|>\n' }}{% endif %}
+{%- endfor %}{% if add_generation_prompt %}{{- '<|turn>model\n' }}{% endif %}"""
+
+
+def test_a_turn_of_parallel_calls_that_each_close_ends_after_the_last(base_tokenizer):
+    tokenizer = template_tokenizer(base_tokenizer, CLOSED_CALLS, "<eos>", ["<|turn>", "<turn|>", "<|tool_call>",
+                                                                           "<tool_call|>", "<|tool_response>",
+                                                                           "<tool_response|>"])  # fmt: skip
+    chat = [AGENT_CHAT[0], {"role": "assistant", "tool_calls": [CALL, CALL_2]}, *AGENT_CHAT[2:4],
+            {"role": "assistant", "content": "Sunny, at 9:00."}]  # fmt: skip
+    assert trained_and_ids(tokenizer, chat)[0] == (
+        '<|tool_call>call:get_weather{"city": "Paris"}<tool_call|><|tool_call>call:get_time{"city": "Paris"}'
+        "<tool_call|>Sunny, at 9:00.<turn|>"
+    )
+
+
+# DeepSeek-V3.2's: after the tool results the reply opens with no header of its own, writing `</think>` (an empty
+# reasoning, which the model generates) before its text; DeepSeek-R1's writes an assistant tag before the results.
+RESULTS_THEN_REPLY = r"""{%- for m in messages %}
+{%- if m.role == 'assistant' %}
+{%- if not (loop.index0 > 0 and messages[loop.index0 - 1].role == 'tool') %}{{- '<|Assistant|>' }}{% endif %}
+{%- for tc in m.tool_calls or [] %}{{- '<|call|>' + tc.function.name + (tc.function.arguments | tojson) }}{% endfor %}
+{%- if m.tool_calls %}{{- '<|eos|><|Assistant|>' }}{% else %}{{- '</think>' + m.content + '<|eos|>' }}{% endif %}
+{%- elif m.role == 'tool' %}{{- '<|results|>' + m.content + '<|/results|>\n\n' }}
+{%- else %}{{- '<|User|>' + m.content }}{% endif %}
+{%- endfor %}{% if add_generation_prompt %}{{- '<|Assistant|><think>' }}{% endif %}"""
+
+
+def test_a_reply_after_a_tool_result_starts_where_the_text_stops_following_the_prompt(base_tokenizer):
+    tokenizer = template_tokenizer(base_tokenizer, RESULTS_THEN_REPLY, "<|eos|>", ["<|Assistant|>", "<|User|>",
+                                                                                   "<|call|>", "<|results|>",
+                                                                                   "<|/results|>", "</think>",
+                                                                                   "<think>"])  # fmt: skip
+    trained, _, text = trained_and_ids(tokenizer, TOOL_CHAT)
+    assert '<|eos|><|Assistant|><|results|>{"sky": "sunny"}<|/results|>\n\n</think>It is sunny.' in text
+    assert trained == '<|call|>get_weather{"city": "Paris"}<|eos|></think>It is sunny.<|eos|>'
+
+
+# DeepSeek-V3's: a call's arguments are written as the text they are given (concatenated, not serialized).
+TEXT_ARGUMENTS = r"""{%- for m in messages %}
+{%- if m.role == 'assistant' %}{{- '<|A|>' + (m.content or '') }}
+{%- for tc in m.tool_calls or [] %}{{- '<|call|>' + tc.function.name + '\n' + tc.function.arguments }}{% endfor %}
+{{- '<|end|>' }}{% else %}{{- '<|' + m.role + '|>' + m.content + '<|end|>' }}{% endif %}
+{%- endfor %}{% if add_generation_prompt %}{{- '<|A|>' }}{% endif %}"""
+
+
+def test_arguments_are_given_as_text_to_a_template_that_writes_them_as_given(base_tokenizer):
+    tokenizer = template_tokenizer(base_tokenizer, TEXT_ARGUMENTS, "<|end|>", ["<|A|>", "<|user|>", "<|tool|>",
+                                                                               "<|call|>"])  # fmt: skip
+    as_text = json.loads(json.dumps(TOOL_CHAT))
+    as_text[1]["tool_calls"][0]["function"]["arguments"] = '{"city": "Paris"}'
+    expected = '<|call|>get_weather\n{"city": "Paris"}<|end|>It is sunny.<|end|>'
+    assert trained_and_ids(tokenizer, as_text)[0] == expected
+    assert encoded_trained(tokenizer, TOOL_CHAT) == expected  # an object, which the template cannot concatenate
+
+
+def test_the_vendors_templates_in_shared_train_what_they_write(repo_root=None):
+    """../shared/chat-templates: the vendors' own templates, with real tokenizers, judged by its check.py. The
+    cases left (7 refused, 8 wrong at 87c2121) are said in the closing note; none may come back."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[2] / "shared" / "chat-templates"
+    if not (folder / "check.py").is_file():
+        pytest.skip(f"{folder} is not here (the vendors' templates are kept beside the project, not in it)")
+    result = subprocess.run([sys.executable, str(folder / "check.py")], capture_output=True, text=True, timeout=600)
+    counts = re.search(r"(\d+)/(\d+) correct, (\d+) refused, (\d+) wrong", result.stdout)
+    assert counts, result.stdout[-2000:] + result.stderr[-2000:]
+    correct, total, refused, wrong = map(int, counts.groups())
+    assert correct >= 361 and wrong <= 8 and refused <= 7, result.stdout[-4000:]

@@ -154,13 +154,18 @@ def _per_turn(chat: Chat, shape: TemplateShape, replies: list[int]) -> list[Rend
     return samples
 
 
-# The shapes agent and reasoning data take: several turns, reasoning on the last; a turn of parallel tool calls,
-# their results, and an answer.
+# The shapes agent and reasoning data take: several turns, reasoning on the last; a call with reasoning beside it (a
+# template that writes no text for a turn of calls would drop it); a turn of parallel calls, their results, an answer.
 _PROBES = {
     "multi-turn replies with reasoning": [
         {"role": "user", "content": "First question?"}, {"role": "assistant", "content": "First answer."},
         {"role": "user", "content": "Second question?"},
         {"role": "assistant", "content": "Second answer.", "reasoning_content": "Some thought."},
+    ],
+    "a tool call with reasoning beside it, its result and an answer": [
+        {"role": "user", "content": "Look a word up."},
+        {"role": "assistant", "reasoning_content": "A lookup answers it.", "tool_calls": [PROBE_CALL]},
+        {"role": "tool", "content": "one result"}, {"role": "assistant", "content": "Found."},
     ],
     "parallel tool calls, their results and an answer": [
         {"role": "user", "content": "Look two words up."},
