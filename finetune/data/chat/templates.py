@@ -34,7 +34,6 @@ def _reasoning_field(render: _Renderer) -> str | None:
     return None
 
 
-# Every field a schema may have (a template may read a parameter's description: Command-R+'s does).
 def arguments_as_text(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the tokenizer's chat template writes a tool call's arguments as the text it is given (it concatenates
     them, as DeepSeek-V3's does), rather than serializing an object (`tojson`, or its own layout): decided by
@@ -45,7 +44,7 @@ def arguments_as_text(tokenizer: PreTrainedTokenizerBase) -> bool:
 @functools.lru_cache(maxsize=8)
 def _arguments_as_text(render: _Renderer) -> bool:
     def rendered(arguments: Any) -> str | None:
-        call = {**_PROBE_CALL_ID, "function": {**_PROBE_CALL_ID["function"], "arguments": arguments}}
+        call = {**PROBE_CALL, "function": {**PROBE_CALL["function"], "arguments": arguments}}
         messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
         return render(messages, tools=[PROBE_TOOL])
 
@@ -57,12 +56,17 @@ def _arguments_as_text(render: _Renderer) -> bool:
     return as_object is None or f"'word': '{_PROBE_VALUE}'" in as_object
 
 
+# Every field a schema may have (a template may read a parameter's description: Command-R+'s does).
 PROBE_TOOL = {"type": "function", "function": {"name": "lookup", "description": "Look a word up.", "parameters": {
     "type": "object", "properties": {"word": {"type": "string", "description": "The word."}},
     "required": ["word"]}}}  # fmt: skip
 
 
-PROBE_CALL = {"type": "function", "function": {"name": "lookup", "arguments": {"word": "probe"}}}
+_PROBE_VALUE = "qzvprobe"
+"""A tool call's argument in the probes: plain ASCII, which JSON writes as it is."""
+PROBE_CALL = {"id": "qzv123456", "type": "function", "function": {"name": "lookup", "arguments": {
+    "word": _PROBE_VALUE}}}  # fmt: skip
+"""A probe call with an id (nine characters: Mistral's templates refuse others) that a tool's result can answer."""
 
 
 def read_chat_template(value: str, named: dict[str, str] | None = None) -> str:
@@ -157,11 +161,11 @@ class TemplateShape:
     call_end_each: bool = False
     """`call_end_marker` closes each call (gemma-4's), not the turn: a turn of several ends after its last."""
     headers: tuple[str, ...] = ()
-    """What may open an assistant turn, the longest first: the reply prefix and the generation prompt, and both
-    less a think tag the generation prompt ends with. A prompt that opens the reasoning (QwQ's, DeepSeek-R1's
-    `<think>\n`) or closes it (non-thinking modes' `</think>`) is written so for the reply being generated only:
-    an earlier turn, or a turn of tool calls, opens without it, and all it writes after the rest of the header
-    (its calls' wrappers, an empty think block) is what the model generated in that turn."""
+    """What may open an assistant turn, the longest first: the reply prefix and the generation prompt, and the
+    generation prompt cut short at its token boundaries (`_opening_headers`). A prompt that opens the reasoning
+    (QwQ's, DeepSeek-R1's `<think>\n`) or closes it (non-thinking modes' `</think>`) is written so for the reply
+    being generated only: an earlier turn, or a turn of tool calls, opens without it, and all it writes after the
+    rest of the header (its calls' wrappers, an empty think block) is what the model generated in that turn."""
 
     @property
     def end_markers(self) -> tuple[str, ...]:
@@ -271,17 +275,10 @@ def _closes_each_call(render: Callable[..., str | None], marker: str) -> bool:
     """Whether the template writes `marker` after each of a turn's calls (two probe calls: twice after the first)."""
     turns = [
         {"role": "user", "content": "q"},
-        {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL_ID] * 2},
+        {"role": "assistant", "content": "", "tool_calls": [PROBE_CALL] * 2},
     ]
     text = render(turns, tools=[PROBE_TOOL]) or ""
     return _PROBE_VALUE in text and text.split(_PROBE_VALUE, 1)[1].count(marker) >= 2
-
-
-_PROBE_VALUE = "qzvprobe"
-"""A tool call's argument in the probes: plain ASCII, which JSON writes as it is."""
-_PROBE_CALL_ID = {"id": "qzv123456", "type": "function", "function": {"name": "lookup", "arguments": {
-    "word": _PROBE_VALUE}}}  # fmt: skip
-"""A probe call with an id (nine characters: Mistral's templates refuse others) its result can answer."""
 
 
 def _call_end_marker(
@@ -297,9 +294,9 @@ def _call_end_marker(
     reply, `<|observation|>` a turn of calls), the tool result's opening; else the first marker after the call's
     arguments that the call does not also write inside itself (gemma-4's string quotes `<|"|>` are the call's;
     its `<tool_call|>` ends it)."""
-    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL_ID]}]
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [PROBE_CALL]}]
     result = SENTINEL.format("result")
-    answer = {"role": "tool", "content": result, "tool_call_id": _PROBE_CALL_ID["id"], "name": "lookup"}
+    answer = {"role": "tool", "content": result, "tool_call_id": PROBE_CALL["id"], "name": "lookup"}
     answered = render([*turns, answer], tools=[PROBE_TOOL]) or ""
     alone = render(turns, tools=[PROBE_TOOL]) or ""
     if _PROBE_VALUE not in answered or result not in answered or _PROBE_VALUE not in alone:
