@@ -1145,6 +1145,23 @@ def test_a_reply_after_a_tool_result_starts_where_the_text_stops_following_the_p
     assert trained == '<|call|>get_weather{"city": "Paris"}<|eos|></think>It is sunny.<|eos|>'
 
 
+# Command-R+'s tool-use template: a turn of calls (an `Action:` block) is left unclosed, the next turn opening on it.
+UNCLOSED_CALLS = r"""{%- for m in messages %}
+{%- if m.role == 'assistant' and m.tool_calls %}
+{{- '<|SOT|><|BOT|>Action: ' + (m.tool_calls[0].function | tojson) + '\n' }}
+{%- elif m.role == 'assistant' %}{{- '<|SOT|><|BOT|>' + m.content + '<|EOT|>' }}
+{%- else %}{{- '<|SOT|><|' + m.role | upper + '|>' + m.content + '<|EOT|>' }}{% endif %}
+{%- endfor %}{% if add_generation_prompt %}{{- '<|SOT|><|BOT|>' }}{% endif %}"""
+
+
+def test_a_turn_of_calls_the_template_leaves_unclosed_ends_before_the_next_turn_opens(base_tokenizer):
+    markers = ["<|SOT|>", "<|BOT|>", "<|USER|>", "<|TOOL|>"]
+    tokenizer = template_tokenizer(base_tokenizer, UNCLOSED_CALLS, "<|EOT|>", markers)
+    assert trained_and_ids(tokenizer, TOOL_CHAT)[0] == (
+        'Action: {"name": "get_weather", "arguments": {"city": "Paris"}}\nIt is sunny.<|EOT|>'
+    )
+
+
 # DeepSeek-V3's: a call's arguments are written as the text they are given (concatenated, not serialized).
 TEXT_ARGUMENTS = r"""{%- for m in messages %}
 {%- if m.role == 'assistant' %}{{- '<|A|>' + (m.content or '') }}
@@ -1165,7 +1182,7 @@ def test_arguments_are_given_as_text_to_a_template_that_writes_them_as_given(bas
 
 def test_the_vendors_templates_in_shared_train_what_they_write(repo_root=None):
     """../shared/chat-templates: the vendors' own templates, with real tokenizers, judged by its check.py. The
-    cases left (7 refused, 8 wrong at 87c2121) are said in the closing note; none may come back."""
+    cases left (7 refused, 7 wrong) are said in the closing note; none may come back."""
     import subprocess
     import sys
     from pathlib import Path
@@ -1177,4 +1194,4 @@ def test_the_vendors_templates_in_shared_train_what_they_write(repo_root=None):
     counts = re.search(r"(\d+)/(\d+) correct, (\d+) refused, (\d+) wrong", result.stdout)
     assert counts, result.stdout[-2000:] + result.stderr[-2000:]
     correct, total, refused, wrong = map(int, counts.groups())
-    assert correct >= 361 and wrong <= 8 and refused <= 7, result.stdout[-4000:]
+    assert correct >= 362 and wrong <= 7 and refused <= 7, result.stdout[-4000:]

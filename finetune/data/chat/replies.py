@@ -230,7 +230,9 @@ def _reply_spans(
                 "seen nor trained; move that text to a turn of its own, or set data.chat_template to a template that "
                 "renders both"
             )
-        marked = marked.replace(placeholder, name)
+        # The first place stays a placeholder (where the turn's calls are: `spans_of`); later ones are template text.
+        first = marked.find(placeholder) + len(placeholder)
+        marked = marked[:first] + marked[first:].replace(placeholder, name)
     for k, name in names.items():
         # Templates that name the call again in its result's header (harmony's `functions.get_weather to=...`,
         # gemma-4's): the first place is the call's; the later ones are template text, the name as written.
@@ -242,7 +244,8 @@ def _reply_spans(
     # not at all (templates drop the reasoning of earlier replies).
     found = []
     for k, i in enumerate(trained):
-        for kind, placeholder in (("reasoning", SENTINEL.format(f"r{k}")), ("reply", SENTINEL.format(k))):
+        kinds = [("reasoning", SENTINEL.format(f"r{k}")), ("reply", SENTINEL.format(k))]
+        for kind, placeholder in kinds + ([("call", calls[k][1])] if k in calls else []):
             count = marked.count(placeholder)
             if kind == "reply" and count == 0 and chat.messages[i].get("tool_calls") and k not in names:
                 raise FinetuneError(
@@ -275,10 +278,27 @@ def _reply_spans(
             return None
         regions[kind, k] = (position, end, j)
         position = end + len(following)
+    # The calls' places, apart: the regions that bound each other are the replies' words and reasoning.
+    calls_at = {k: (start, end) for (kind, k), (start, end, _) in regions.items() if kind == "call"}
+    kept = sorted((j, key, start, end) for key, (start, end, j) in regions.items() if key[0] != "call")
+    regions = {key: (start, end, j) for j, (_, key, start, end) in enumerate(kept)}
     prompts = [chat.prompt_before(i) for i in trained]
     calls = [len(chat.messages[i].get("tool_calls") or []) for i in trained]
     floors = _floors(chat.messages, trained, regions, text)
-    return spans_of(text, regions, shape, len(trained), floors, prompts, calls)
+    ceilings = _ceilings(chat.messages, trained, regions, text)
+    return spans_of(text, regions, shape, len(trained), floors, prompts, calls, calls_at, ceilings)
+
+
+def _ceilings(messages: list[dict[str, Any]], trained: list[int], regions: Regions, text: str) -> list[int]:
+    """Where the text of the message after each trained reply begins in `text` (its end where it cannot be told)."""
+    ceilings = []
+    for k, i in enumerate(trained):
+        after = max(end for (_, reply), (_, end, _) in regions.items() if reply == k)
+        following = messages[i + 1].get("content") if i + 1 < len(messages) else None
+        following = following.strip() if isinstance(following, str) and messages[i + 1]["role"] != "assistant" else ""
+        at = text.find(following, after) if following else -1
+        ceilings.append(at if at >= 0 else len(text))
+    return ceilings
 
 
 def _floors(messages: list[dict[str, Any]], trained: list[int], regions: Regions, text: str) -> list[int]:

@@ -192,7 +192,10 @@ def filled_spans(
         floors = [starts[firsts[k] - 1] for k in range(len(trained))]
         prompts = [skeleton.prompt_before(i) for i in trained]
         calls = [skeleton.calls[i] if skeleton.calls else 0 for i in trained]
-        return spans_of(text, regions, skeleton.shape, len(trained), floors, prompts, calls)
+        # ... and its turn ends before the text of the message after it (the placeholder after its content's).
+        contents = {k: n for n, kind, k in plan if kind == "reply"}
+        ceilings = [starts[min(contents[k] + 2, len(parts))] for k in range(len(trained))]
+        return spans_of(text, regions, skeleton.shape, len(trained), floors, prompts, calls, ceilings=ceilings)
     # Part n of the text starts at sum(lengths[:n]), summed only where a span needs it; plain loops, as
     # comprehensions are calls of their own before Python 3.12: this runs for every conversation of a dataset.
     lengths = list(map(len, parts))

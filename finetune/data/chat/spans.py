@@ -24,17 +24,26 @@ def spans_of(
     floors: list[int] | None = None,
     prompts: list[Prompt | None] | None = None,
     calls: list[int] | None = None,
+    calls_at: dict[int, tuple[int, int]] | None = None,
+    ceilings: list[int] | None = None,
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """The trained span of each reply, from its assistant header through its turn's end marker, and
     the spans of the reasoning inside them. `floors`: where each reply's previous message's text ends, where it
     is known: its header is after it (a template that writes a header before a tool's result, as DeepSeek-R1's
     `<｜Assistant｜>`, does not open the reply after the result with it); `prompts`: what the template writes
-    there to prompt each reply (`Prompt`), where known; `calls`: how many tool calls each reply makes."""
+    there to prompt each reply (`Prompt`), where known; `calls`: how many tool calls each reply makes;
+    `calls_at`: where the first call's name of a reply with words and calls lies, where located; `ceilings`: where
+    the text of the message after each reply begins (its turn ends before it)."""
     # The template's text before region j runs from the end of region j - 1 (or 0) to its start.
     bounds = {j: (start, end) for start, end, j in regions.values()}
     spans, reasoning = [], []
     for k in range(replies):
         content_start, content_end, j = regions["reply", k]
+        call = calls_at.get(k) if calls_at else None
+        if call is not None and call[1] <= content_start and not text[content_start:content_end].strip():
+            # A template that writes a turn's calls, closes the turn, and then writes its words apart, blank here
+            # (DeepSeek-R1's, for a turn whose words were all reasoning it drops): the turn is its calls.
+            content_start, content_end = call
         thought = regions.get(("reasoning", k))
         first_start, _, first = thought if thought is not None and thought[2] < j else (content_start, content_end, j)
         after_region = bounds[first - 1][1] if first else 0
@@ -42,8 +51,14 @@ def spans_of(
         anchored = floors is not None and prompts is not None and floors[k] >= after_region
         start = _reply_start(text, floor, first_start, shape, prompts[k] if anchored else None)
         following_end = bounds[j + 1][0] if j + 1 in bounds else len(text)
+        following_end = min(following_end, ceilings[k]) if ceilings else following_end
         marker, closing = turn_end(text, shape, content_end, following_end, calls[k] if calls else 0)
         end = marker + len(closing) if marker >= 0 else content_end
+        if marker < 0 and calls and calls[k] and following_end < len(text):
+            # A turn of calls the template closes with nothing before the next message: its arguments are the
+            # model's, through where the next turn opens.
+            opened = text.rfind(shape.turn_opener, content_end, following_end) if shape.turn_opener else -1
+            end = opened if opened >= 0 else end
         if marker < 0 and following_end == len(text) and shape.last_end_marker:
             # The conversation's last reply, closed as only a last one is (harmony's <|return|>): trained too.
             last = text.find(shape.last_end_marker, content_end)
@@ -76,6 +91,8 @@ def turn_end(text: str, shape: TemplateShape, start: int, end: int, calls: int) 
             if following < 0:
                 break
             at = following
+    if marker and marker == shape.call_end_marker and shape.call_end_opens:
+        return at, ""  # the next turn's opening: the turn ends before it
     return at, marker
 
 

@@ -160,6 +160,10 @@ class TemplateShape:
     `<tool_call|>`, GLM's `<|observation|>`: its turns end where the next opens)."""
     call_end_each: bool = False
     """`call_end_marker` closes each call (gemma-4's), not the turn: a turn of several ends after its last."""
+    turn_opener: str = ""
+    """The marker the generation prompt opens with (`<|im_start|>`): where a turn begins."""
+    call_end_opens: bool = False
+    """`call_end_marker` opens the next turn (the template closes no turn of calls): the turn ends before it."""
     headers: tuple[str, ...] = ()
     """What may open an assistant turn, the longest first: the reply prefix and the generation prompt, and the
     generation prompt cut short at its token boundaries (`_opening_headers`). A prompt that opens the reasoning
@@ -268,6 +272,8 @@ def _template_shape(
     return TemplateShape(
         reply_prefix, generation_prompt, end_marker, last_end_marker, headers=headers, call_end_marker=call_end,
         call_end_each=bool(call_end) and _closes_each_call(render, call_end),
+        call_end_opens=_opens_a_turn(call_end, generation_prompt),
+        turn_opener=_last_marker(_through_first_special(generation_prompt.lstrip(), specials), specials),
     )  # fmt: skip
 
 
@@ -316,6 +322,12 @@ def _call_end_marker(
     inside = {token for token in specials if token in written[call_start:]} if call_start >= 0 else set()
     outside = tuple(token for token in specials if token not in inside)
     return _last_marker(_through_first_special(closing, outside), outside)
+
+
+def _opens_a_turn(marker: str, generation_prompt: str) -> bool:
+    """Whether `marker` is how the template opens a turn (it opens the generation prompt): a turn of calls that
+    the template leaves unclosed (Command-R+'s `Action:` block) ends before it, not with it."""
+    return bool(marker) and generation_prompt.lstrip().startswith(marker)
 
 
 def _last_marker(text: str, markers: tuple[str, ...]) -> str:
