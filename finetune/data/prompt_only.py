@@ -107,7 +107,8 @@ class PromptOnly:
                     "data.max_length, lower rl.max_new_tokens, or set data.truncation=drop to leave them out (counted)"
                 )
             too_long += len(long)
-            kept = part.select(numpy.flatnonzero((lengths <= room) & (lengths > 0)))  # 0 tokens: invalid, dropped
+            keep = (lengths <= room) & (lengths > 0)  # 0 tokens: invalid (data.invalid=drop), left out
+            kept = part if keep.all() else part.select(numpy.flatnonzero(keep))
             tokenized.append(kept.remove_columns([c for c in kept.column_names if c == SAMPLE_INDEX]))
         try:
             every = tokenized[0] if len(tokenized) == 1 else datasets.concatenate_datasets(tokenized)

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from finetune.batch import IGNORE
 from finetune.config import DataConfig
 from finetune.data.chat import EncodedSamples, MultiTurn, describe, encode_rendered, render_chats, unclosed_think
+from finetune.data.chat.spans import UnclosedThink, think_block
 from finetune.data.sources import SAMPLE_INDEX
 from finetune.errors import FinetuneError
 
@@ -64,7 +65,10 @@ def with_text_reasoning(
     offsets = tokenizer(completions, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     samples, counts = [], []
     for (ids, trained), text, spans, index in zip(encoded, completions, offsets, indices, strict=True):
-        thought = _think_span(text, index)
+        try:  # the same leading block, found the same way, as in a conversation's reply
+            thought = think_block(text, 0, len(text))
+        except UnclosedThink:
+            raise unclosed_think(index) from None
         within = [thought is not None and a < thought[1] and b > thought[0] for a, b in spans]
         if not train_on_reasoning and any(within):
             first = len(ids) - len(spans) - 1  # the completion's first token (before it: the prompt; after: EOS)
@@ -74,19 +78,6 @@ def with_text_reasoning(
         samples.append((ids, trained))
         counts.append(sum(within))
     return samples, counts
-
-
-def _think_span(text: str, index: int) -> tuple[int, int] | None:
-    """The characters of a leading <think> block's text (without the tags and the blank space around it)."""
-    if not text.lstrip().startswith("<think>"):
-        return None
-    start = text.index("<think>") + len("<think>")
-    end = text.find("</think>", start)
-    if end < 0:
-        raise unclosed_think(index)
-    inner = text[start:end]
-    start += len(inner) - len(inner.lstrip())
-    return start, start + len(inner.strip())
 
 
 def encode_texts(texts: list[str], tokenizer: PreTrainedTokenizerBase) -> list[tuple[list[int], list[bool]]]:
