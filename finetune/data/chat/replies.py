@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from finetune.data.chat.messages import reasoning_of, unclosed_think
 from finetune.data.chat.rendering import Chat, check_batch, render_all, reply_positions
 from finetune.data.chat.skeleton import filled_spans, skeletons_of, with_placeholder
-from finetune.data.chat.spans import Regions, UnclosedThink, spans_of
+from finetune.data.chat.spans import Around, Regions, UnclosedThink, spans_of
 from finetune.data.chat.templates import PROBE_CALL, PROBE_TOOL, SENTINEL, TemplateShape, template_shape
 from finetune.errors import FinetuneError
 
@@ -282,33 +282,32 @@ def _reply_spans(
     calls_at = {k: (start, end) for (kind, k), (start, end, _) in regions.items() if kind == "call"}
     kept = sorted((j, key, start, end) for key, (start, end, j) in regions.items() if key[0] != "call")
     regions = {key: (start, end, j) for j, (_, key, start, end) in enumerate(kept)}
-    prompts = [chat.prompt_before(i) for i in trained]
-    calls = [len(chat.messages[i].get("tool_calls") or []) for i in trained]
-    floors = _floors(chat.messages, trained, regions, text)
-    ceilings = _ceilings(chat.messages, trained, regions, text)
-    return spans_of(text, regions, shape, len(trained), floors, prompts, calls, calls_at, ceilings)
+    return spans_of(text, regions, shape, _around(chat, trained, regions, calls_at, text))
 
 
-def _ceilings(messages: list[dict[str, Any]], trained: list[int], regions: Regions, text: str) -> list[int]:
-    """Where the text of the message after each trained reply begins in `text` (its end where it cannot be told)."""
-    ceilings = []
+def _around(
+    chat: Chat, trained: list[int], regions: Regions, calls_at: dict[int, tuple[int, int]], text: str
+) -> list[Around]:
+    """What lies around each trained reply in `text`: where the texts of the messages before and after it end and
+    begin (found after the previous reply, and after this one), the template's prompt for it, its calls."""
+    around, previous = [], 0
     for k, i in enumerate(trained):
-        after = max(end for (_, reply), (_, end, _) in regions.items() if reply == k)
-        following = messages[i + 1].get("content") if i + 1 < len(messages) else None
-        following = following.strip() if isinstance(following, str) and messages[i + 1]["role"] != "assistant" else ""
-        at = text.find(following, after) if following else -1
-        ceilings.append(at if at >= 0 else len(text))
-    return ceilings
-
-
-def _floors(messages: list[dict[str, Any]], trained: list[int], regions: Regions, text: str) -> list[int]:
-    """Where the text of the message before each trained reply ends in `text` (0 where it cannot be told): the
-    reply's header comes after it."""
-    floors, previous = [], 0
-    for k, i in enumerate(trained):
-        first = min(start for (kind, reply), (start, _, _) in regions.items() if reply == k)
-        before = messages[i - 1].get("content") if i > 0 and messages[i - 1]["role"] != "assistant" else None
-        at = text.rfind(before.strip(), previous, first) if isinstance(before, str) and before.strip() else -1
-        floors.append(at + len(before.strip()) if at >= 0 else 0)
+        first = min(start for (_, reply), (start, _, _) in regions.items() if reply == k)
+        last = max(end for (_, reply), (_, end, _) in regions.items() if reply == k)
+        before, after = _text_of(chat.messages, i - 1), _text_of(chat.messages, i + 1)
+        floor = text.rfind(before, previous, first) if before else -1
+        ceiling = text.find(after, last) if after else -1
+        around.append(Around(
+            floor + len(before) if floor >= 0 else 0, ceiling if ceiling >= 0 else len(text), chat.prompt_before(i),
+            len(chat.messages[i].get("tool_calls") or []), calls_at.get(k),
+        ))  # fmt: skip
         previous = regions["reply", k][1]
-    return floors
+    return around
+
+
+def _text_of(messages: list[dict[str, Any]], i: int) -> str:
+    """Message i's text as a template writes it (stripped), where it is a user's, system's or tool's; else ""."""
+    if not 0 <= i < len(messages) or messages[i]["role"] == "assistant":
+        return ""
+    content = messages[i].get("content")
+    return content.strip() if isinstance(content, str) else ""

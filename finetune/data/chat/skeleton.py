@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from finetune.data.chat.messages import reasoning_of
 from finetune.data.chat.rendering import ChatBatch, prompt_after, render_batches, reply_positions
-from finetune.data.chat.spans import Prompt, Regions, header_end, spans_of, think_block, turn_end
+from finetune.data.chat.spans import Around, Prompt, Regions, header_end, spans_of, think_block, turn_end
 from finetune.data.chat.templates import SENTINEL, TemplateShape
 
 
@@ -187,15 +187,16 @@ def filled_spans(
     if layout is None:
         starts = list(itertools.accumulate(map(len, parts), initial=0))  # part n of the text starts at starts[n]
         regions: Regions = {(kind, k): (starts[n], starts[n + 1], j) for j, (n, kind, k) in enumerate(plan)}
-        # Each reply's header is after the text of the message before it (the piece before its first placeholder).
+        # Each reply's header is after the text of the message before it (the piece before its first placeholder),
+        # and its turn ends before the text of the message after it (the placeholder after its content's).
         firsts = {k: n for n, _, k in sorted(plan, reverse=True)}
-        floors = [starts[firsts[k] - 1] for k in range(len(trained))]
-        prompts = [skeleton.prompt_before(i) for i in trained]
-        calls = [skeleton.calls[i] if skeleton.calls else 0 for i in trained]
-        # ... and its turn ends before the text of the message after it (the placeholder after its content's).
         contents = {k: n for n, kind, k in plan if kind == "reply"}
-        ceilings = [starts[min(contents[k] + 2, len(parts))] for k in range(len(trained))]
-        return spans_of(text, regions, skeleton.shape, len(trained), floors, prompts, calls, ceilings=ceilings)
+        around = [
+            Around(starts[firsts[k] - 1], starts[min(contents[k] + 2, len(parts))], skeleton.prompt_before(i),
+                   skeleton.calls[i] if skeleton.calls else 0)
+            for k, i in enumerate(trained)
+        ]  # fmt: skip
+        return spans_of(text, regions, skeleton.shape, around)
     # Part n of the text starts at sum(lengths[:n]), summed only where a span needs it; plain loops, as
     # comprehensions are calls of their own before Python 3.12: this runs for every conversation of a dataset.
     lengths = list(map(len, parts))

@@ -4,6 +4,7 @@ with the reasoning inside it."""
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 from finetune.data.chat.templates import TemplateShape
 
@@ -16,30 +17,34 @@ Regions = dict[tuple[str, int], tuple[int, int, int]]
 its number in the order the template wrote them. The template's own text lies between regions."""
 
 
+class Around(NamedTuple):
+    """What lies around a trained reply in its rendered text (`spans_of`), as far as it is known."""
+
+    floor: int
+    """Where the text of the message before it ends (0: not known): its header is after it (a template that
+    writes a header before a tool's result, as DeepSeek-R1's `<｜Assistant｜>`, does not open the reply after the
+    result with it)."""
+    ceiling: int
+    """Where the text of the message after it begins (the text's end: not known): its turn ends before it."""
+    prompt: Prompt | None
+    """What the template writes after the previous message's text to prompt the reply, where known."""
+    calls: int
+    """How many tool calls the reply makes."""
+    call_at: tuple[int, int] | None = None
+    """Where its first call's name lies, for a reply with words and calls whose call was located."""
+
+
 def spans_of(
-    text: str,
-    regions: Regions,
-    shape: TemplateShape,
-    replies: int,
-    floors: list[int] | None = None,
-    prompts: list[Prompt | None] | None = None,
-    calls: list[int] | None = None,
-    calls_at: dict[int, tuple[int, int]] | None = None,
-    ceilings: list[int] | None = None,
+    text: str, regions: Regions, shape: TemplateShape, around: list[Around]
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """The trained span of each reply, from its assistant header through its turn's end marker, and
-    the spans of the reasoning inside them. `floors`: where each reply's previous message's text ends, where it
-    is known: its header is after it (a template that writes a header before a tool's result, as DeepSeek-R1's
-    `<｜Assistant｜>`, does not open the reply after the result with it); `prompts`: what the template writes
-    there to prompt each reply (`Prompt`), where known; `calls`: how many tool calls each reply makes;
-    `calls_at`: where the first call's name of a reply with words and calls lies, where located; `ceilings`: where
-    the text of the message after each reply begins (its turn ends before it)."""
+    """The trained span of each reply (one per `around`), from its assistant header through its turn's end
+    marker, and the spans of the reasoning inside them."""
     # The template's text before region j runs from the end of region j - 1 (or 0) to its start.
     bounds = {j: (start, end) for start, end, j in regions.values()}
     spans, reasoning = [], []
-    for k in range(replies):
+    for k, known in enumerate(around):
         content_start, content_end, j = regions["reply", k]
-        call = calls_at.get(k) if calls_at else None
+        call = known.call_at
         if call is not None and call[1] <= content_start and not text[content_start:content_end].strip():
             # A template that writes a turn's calls, closes the turn, and then writes its words apart, blank here
             # (DeepSeek-R1's, for a turn whose words were all reasoning it drops): the turn is its calls.
@@ -47,14 +52,13 @@ def spans_of(
         thought = regions.get(("reasoning", k))
         first_start, _, first = thought if thought is not None and thought[2] < j else (content_start, content_end, j)
         after_region = bounds[first - 1][1] if first else 0
-        floor = min(max(after_region, floors[k] if floors else 0), first_start)
-        anchored = floors is not None and prompts is not None and floors[k] >= after_region
-        start = _reply_start(text, floor, first_start, shape, prompts[k] if anchored else None)
+        floor = min(max(after_region, known.floor), first_start)
+        start = _reply_start(text, floor, first_start, shape, known.prompt if known.floor >= after_region else None)
         following_end = bounds[j + 1][0] if j + 1 in bounds else len(text)
-        following_end = min(following_end, ceilings[k]) if ceilings else following_end
-        marker, closing = turn_end(text, shape, content_end, following_end, calls[k] if calls else 0)
+        following_end = min(following_end, known.ceiling)
+        marker, closing = turn_end(text, shape, content_end, following_end, known.calls)
         end = marker + len(closing) if marker >= 0 else content_end
-        if marker < 0 and calls and calls[k] and following_end < len(text):
+        if marker < 0 and known.calls and following_end < len(text):
             # A turn of calls the template closes with nothing before the next message: its arguments are the
             # model's, through where the next turn opens.
             opened = text.rfind(shape.turn_opener, content_end, following_end) if shape.turn_opener else -1
