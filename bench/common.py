@@ -233,6 +233,7 @@ class Bench:
             "optim.lr": "1e-4",
             "optim.warmup_steps": 0,
             "optim.schedule": "constant",
+            "train.global_batch_size": "null",  # each bench sets its micro-batch per process
             **overrides,
         }
         command = [

@@ -90,6 +90,8 @@ class Run:
     train_loader: DataLoader
     eval_loader: DataLoader | None
     max_steps: int
+    accumulation: int
+    """Micro-batches per process per optimizer step (`TrainConfig.accumulation` for this launch)."""
     output_dir: Path
     write_model_files: Callable[[Path], None]
     tensor_names: list[list[str]]
@@ -154,7 +156,8 @@ def build_run(recipe: RecipeConfig, resume_from: Path | None) -> Run:
     generation = setup_generation(recipe, data, tokenizer)
     fit_to_launch(model, accelerator, builder)
     model, optimizer, train_loader, eval_loader = setup_optimizer(recipe, accelerator, model, data, started_on_meta)
-    max_steps = setup_steps(recipe, train_loader, resume_from)
+    accumulation = recipe.train.accumulation(sequence.data_parallel_size(accelerator))
+    max_steps = setup_steps(recipe, train_loader, accumulation, resume_from)
     scheduler = build_scheduler(optimizer.optimizer, recipe.optim, max_steps)
     write_model_files, (save_state, load_state) = setup_checkpoint_io(
         recipe, accelerator, model, optimizer, tokenizer, weights
@@ -165,7 +168,7 @@ def build_run(recipe: RecipeConfig, resume_from: Path | None) -> Run:
     )
     start = restore(recipe, accelerator, scheduler, load_state, resume_from)
     return Run(
-        recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, max_steps,
+        recipe, accelerator, model, optimizer, scheduler, train_loader, eval_loader, max_steps, accumulation,
         Path(recipe.output.dir), write_model_files, names, save_state, loss_path, objective, builder.name, start,
         data, weights, builder.unit_noun, started_on_meta, [policy_line, loss_line, routing_line],
         write_objective_files, generation,
@@ -261,10 +264,10 @@ def setup_optimizer(
     return model, optimizer, train_loader, eval_loader
 
 
-def setup_steps(recipe: RecipeConfig, train_loader: DataLoader, resume_from: Path | None) -> int:
+def setup_steps(recipe: RecipeConfig, train_loader: DataLoader, accumulation: int, resume_from: Path | None) -> int:
     """The run's optimizer steps, checked against the checkpoint it resumes and the steps it profiles (a
     `train.num_epochs` run learns its step count only here)."""
-    max_steps = max_steps_of(recipe, train_loader)
+    max_steps = max_steps_of(recipe, train_loader, accumulation)
     if resume_from is not None and step_of(resume_from) > max_steps:
         raise FinetuneError(
             f"checkpoint {resume_from} is at step {step_of(resume_from)}, past the {max_steps} steps of "
@@ -279,12 +282,25 @@ def setup_steps(recipe: RecipeConfig, train_loader: DataLoader, resume_from: Pat
     return max_steps
 
 
-def max_steps_of(recipe: RecipeConfig, train_loader: DataLoader) -> int:
-    steps_per_epoch = len(train_loader) // recipe.train.gradient_accumulation_steps
+def max_steps_of(recipe: RecipeConfig, train_loader: DataLoader, accumulation: int) -> int:
+    steps_per_epoch = len(train_loader) // accumulation
     if steps_per_epoch == 0:
+        given = recipe.train.global_batch_size
+        setting = (
+            f"train.gradient_accumulation_steps={accumulation}" if given is None
+            else f"the {accumulation} micro-batches a step of train.global_batch_size={given} takes on this launch"
+        )  # fmt: skip
         raise FinetuneError(
-            f"one epoch gives each process {len(train_loader)} micro-batches, fewer than "
-            f"train.gradient_accumulation_steps={recipe.train.gradient_accumulation_steps}; add data or lower it"
+            f"one epoch gives each process {len(train_loader)} micro-batches, fewer than {setting}; add data or "
+            "lower it"
+        )
+    rounds = recipe.rl.dynamic_sampling_rounds if recipe.rl is not None else 0
+    if steps_per_epoch < 1 + rounds:
+        # A step would draw the same prompts twice: a group's noise depends on its round, so it would train them twice.
+        raise FinetuneError(
+            f"rl.dynamic_sampling_rounds={rounds} may draw {1 + rounds} steps' prompts for one step, and an epoch "
+            f"holds {steps_per_epoch}: the step could answer a prompt twice; add prompts, or lower "
+            "rl.dynamic_sampling_rounds or train.global_batch_size"
         )
     if recipe.train.max_steps is not None:
         return recipe.train.max_steps

@@ -255,10 +255,16 @@ class TrainConfig:
     """Seed for model init, data order and dropout."""
 
     micro_batch_size: int
-    """Sequences per process per forward pass."""
+    """Samples per process per forward pass: sequences, pairs (preference) or prompts (rl)."""
 
-    gradient_accumulation_steps: int = 1
-    """Micro-batches per process per optimizer step. Global batch = micro_batch_size x this x processes."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step over every data-parallel process: sequences, pairs (preference) or prompts (rl,
+    each answered num_generations times). Set, a step means the same on any launch: gradient accumulation follows,
+    global_batch_size / (micro_batch_size x data-parallel processes), which must be a whole number."""
+
+    gradient_accumulation_steps: int | None = None
+    """Micro-batches per process per optimizer step, when global_batch_size is unset (default 1): the global batch
+    is then micro_batch_size x this x data-parallel processes, and changes with the launch."""
 
     max_steps: int | None = None
     """Optimizer steps to run. Set this or `num_epochs`, not both."""
@@ -303,6 +309,25 @@ class TrainConfig:
     `finetune.objectives.ObjectiveBuilder`; unset: supervised fine-tuning, or preference tuning with a
     `preference` section."""
 
+    def accumulation(self, data_parallel: int) -> int:
+        """Micro-batches per process per optimizer step on a launch of `data_parallel` processes with rows of their
+        own (`batch_problems` has refused a global batch they do not divide)."""
+        if self.global_batch_size is None:
+            return self.gradient_accumulation_steps or 1
+        return max(1, self.global_batch_size // (self.micro_batch_size * data_parallel))
+
+    def batch_problems(self, data_parallel: int) -> list[str]:
+        """Why train.global_batch_size cannot be split over `data_parallel` processes, with the fix; [] if it can."""
+        per_step = self.micro_batch_size * data_parallel
+        if self.global_batch_size is None or self.global_batch_size % per_step == 0:
+            return []
+        below = max(per_step, self.global_batch_size // per_step * per_step)
+        return [
+            f"train.global_batch_size={self.global_batch_size} is not a whole number of micro-batches of "
+            f"{self.micro_batch_size} on {data_parallel} data-parallel process(es) ({per_step} samples a round); set "
+            f"it to a multiple of {per_step} (e.g. {below} or {below + per_step}), or change train.micro_batch_size"
+        ]
+
     @property
     def recompute(self) -> Literal["none", "full", "selective", "auto"]:
         """`activation_checkpointing` as a policy (or `auto`, which training resolves): true is full, false none."""
@@ -322,9 +347,15 @@ class TrainConfig:
                 f"train.activation_offload keeps the inputs that activation checkpointing saves, and "
                 f"train.activation_checkpointing is {self.activation_checkpointing}; set it to full or selective"
             )
-        for name in ("micro_batch_size", "gradient_accumulation_steps", "log_every_steps"):
-            if getattr(self, name) < 1:
+        for name in ("micro_batch_size", "global_batch_size", "gradient_accumulation_steps", "log_every_steps"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 errors.append(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.global_batch_size is not None and self.gradient_accumulation_steps is not None:
+            errors.append(
+                f"train.global_batch_size={self.global_batch_size} sets the accumulation for the launch, and "
+                f"train.gradient_accumulation_steps={self.gradient_accumulation_steps} sets it too; unset one "
+                "(global_batch_size keeps a step the same on any number of processes)"
+            )
         if self.eval_every_steps < 0:
             errors.append(f"train.eval_every_steps must be >= 0, got {self.eval_every_steps}")
         if self.router_aux_loss_coef is not None and not self.router_aux_loss_coef >= 0:
@@ -567,7 +598,7 @@ class PreferenceConfig:
         return errors
 
 
-BUILTIN_REWARDS = ("exact_match", "regex")
+BUILTIN_REWARDS = ("exact_match", "regex", "overlong")
 
 
 @dataclass(kw_only=True)
@@ -591,6 +622,11 @@ class RewardConfig:
     exact_match: extracts the answer to compare (its last match's first group, e.g. `#### (\\S+)` for
     GSM8K's answers)."""
 
+    cache: int | None = None
+    """overlong: the tokens before rl.max_new_tokens over which its penalty falls from 0 to -1 (DAPO's soft
+    overlong punishment: 4,096 of 20,480 in its paper), so that a completion that runs long loses reward before
+    it is cut."""
+
     label: str | None = None
     """Its name in the metrics (rewards/<label>/mean); unset: the function's name."""
 
@@ -607,6 +643,16 @@ class RewardConfig:
             )
         if self.function == "regex" and not self.pattern:
             errors.append("rl.rewards: function=regex needs a pattern, the regular expression completions must match")
+        if self.function == "overlong" and (self.cache is None or self.cache < 1):
+            errors.append(
+                f"rl.rewards: function=overlong needs cache >= 1 (got {self.cache}), the tokens before "
+                "rl.max_new_tokens over which its penalty falls from 0 to -1 (e.g. a fifth of max_new_tokens)"
+            )
+        if self.function != "overlong" and self.cache is not None:
+            errors.append(f"rl.rewards: cache is overlong's setting, and {self.function} reads none; remove it")
+        if self.function == "overlong" and (self.column is not None or self.pattern is not None):
+            errors.append("rl.rewards: function=overlong measures the completion's length and reads no column or "
+                          "pattern; remove them")  # fmt: skip
         if self.function not in BUILTIN_REWARDS:
             given = [name for name in ("column", "pattern") if getattr(self, name) is not None]
             if given:
@@ -649,16 +695,21 @@ class RLConfig:
     top_p: float = 1.0
     """Nucleus sampling: the smallest set of tokens whose probabilities add up to this."""
 
-    loss: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
+    loss: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"] = "dapo"
     """How per-token losses become a step's loss, as TRL defines them: grpo (each completion's mean, averaged over
     completions), dapo (averaged over every completion token of the step), dr_grpo (each completion's sum over
-    max_new_tokens, averaged over completions)."""
+    max_new_tokens, averaged over completions); gspo (grpo's, with one importance ratio per completion: the
+    exponent of its tokens' mean log-ratio; needs rl.epsilon, GSPO's is 3e-4), cispo (dapo's average of each token's
+    log-probability times its advantage, weighted by its ratio clipped above at 1 + rl.epsilon_high and held
+    constant: clipped tokens still train; needs rl.epsilon_high)."""
 
-    epsilon: float = 0.2
-    """The importance ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
+    epsilon: float | None = None
+    """The importance ratio is clipped to [1 - epsilon, 1 + epsilon_high]; unset: 0.2 (gspo needs its own: its
+    ratios are of whole completions and stay close to 1; cispo clips above only)."""
 
     epsilon_high: float | None = None
-    """The upper clipping bound's epsilon (DAPO's clip-higher, e.g. 0.28); unset: epsilon."""
+    """The upper clipping bound's epsilon (DAPO's clip-higher, e.g. 0.28); unset: epsilon. cispo's weights are
+    clipped at 1 + epsilon_high (TRL's `epsilon_high` for cispo is the bound itself: 1 more than this)."""
 
     beta: float = 0.0
     """Weight of the KL penalty to the reference (the adapters switched off, or the initial weights); 0: none and
@@ -675,9 +726,23 @@ class RLConfig:
     mask_truncated: bool = False
     """Completions cut at max_new_tokens train nothing (DAPO's overlong filtering)."""
 
+    dynamic_sampling_rounds: int = 0
+    """DAPO's dynamic sampling: a group whose rewards all tie teaches nothing, so up to this many more rounds of
+    prompts (a step's worth each, drawn from the data as the next steps would) are answered until the step has
+    train.global_batch_size prompts whose groups' rewards differ; 0: off, every prompt drawn is trained."""
+
+    @property
+    def lower_epsilon(self) -> float:
+        return 0.2 if self.epsilon is None else self.epsilon
+
     @property
     def upper_epsilon(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+        return self.lower_epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def per_token(self) -> bool:
+        """The step's loss is a mean over completion tokens (dapo, cispo), else over completions."""
+        return self.loss in ("dapo", "cispo")
 
     def errors(self) -> list[str]:
         errors = []
@@ -689,19 +754,42 @@ class RLConfig:
         for name in ("max_new_tokens", "num_iterations"):
             if getattr(self, name) < 1:
                 errors.append(f"rl.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dynamic_sampling_rounds < 0:
+            errors.append(
+                f"rl.dynamic_sampling_rounds must be >= 0 (0: off), got {self.dynamic_sampling_rounds}: the most "
+                "rounds of prompts drawn for a step beyond its own"
+            )
         if self.temperature <= 0:
             errors.append(
                 f"rl.temperature must be > 0, got {self.temperature} (it samples; greedy is eval.generate's)"
             )
         if not 0 < self.top_p <= 1:
             errors.append(f"rl.top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.epsilon < 1 or self.upper_epsilon < 0:
+        if not 0 <= self.lower_epsilon < 1 or self.upper_epsilon < 0:
             errors.append(f"rl.epsilon must be in [0, 1) and rl.epsilon_high >= 0, got {self.epsilon}, "
                           f"{self.epsilon_high}")  # fmt: skip
+        if self.loss == "gspo" and self.epsilon is None:
+            errors.append(
+                "rl.loss=gspo clips each completion's ratio, the mean of its tokens', which stays within a hair of 1: "
+                "the token losses' default rl.epsilon of 0.2 would never clip; set rl.epsilon and rl.epsilon_high "
+                "(GSPO's are 3e-4 and 4e-4)"
+            )
+        if self.loss == "cispo" and (self.epsilon_high is None or self.epsilon is not None):
+            errors.append(
+                "rl.loss=cispo clips the importance weights above only, at 1 + rl.epsilon_high: set rl.epsilon_high "
+                "(e.g. 4.0, a weight of at most 5)"
+                + (" and remove rl.epsilon, which it does not read" if self.epsilon is not None else "")
+            )
         if self.beta < 0:
             errors.append(f"rl.beta must be >= 0, got {self.beta}")
         if not self.rewards:
             errors.append("rl.rewards is empty; name at least one, e.g. [{function: exact_match, column: answer}]")
+        for reward in self.rewards:
+            if reward.function == "overlong" and (reward.cache or 0) > self.max_new_tokens:
+                errors.append(
+                    f"rl.rewards: overlong's cache={reward.cache} is longer than rl.max_new_tokens="
+                    f"{self.max_new_tokens}, where its penalty reaches -1; set it to at most {self.max_new_tokens}"
+                )
         return errors
 
 

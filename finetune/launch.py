@@ -296,10 +296,12 @@ def recipe_launch_problems(
     rank_zero_loading: bool,
     state_dict_type: str,
     sequence_parallel: int = 1,
+    data_parallel: int = 1,
 ) -> list[str]:
-    """What a recipe cannot do under a launch (`fsdp_version` 0: DDP or one process), each with its fix.
-    The one list that `finetune check` and training's preflight both refuse, before anything loads."""
-    problems = []
+    """What a recipe cannot do under a launch (`fsdp_version` 0: DDP or one process; `data_parallel` processes
+    with rows of their own), each with its fix. The one list that `finetune check` and training's preflight both
+    refuse, before anything loads."""
+    problems = recipe.train.batch_problems(data_parallel)
     if recipe.peft is not None and fsdp_version == 1:
         # FSDP1 flattens a layer's frozen and trainable parameters into one buffer (use_orig_params) and keeps
         # gradient memory for all of it.
@@ -360,11 +362,14 @@ def environment_problems(recipe: RecipeConfig, environ: Mapping[str, str] = os.e
     """`recipe_launch_problems` for the launch this process was started by (accelerate's environment)."""
     fsdp = environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     version = int(environ.get("FSDP_VERSION", "1")) if fsdp else 0
-    parallelism = environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
+    from finetune.sequence import launched_size  # torch's, imported when a process trains
+
+    sequence_parallel = launched_size(environ)
     return recipe_launch_problems(
         recipe,
         fsdp_version=version,
         rank_zero_loading=fsdp and environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true",
         state_dict_type=environ.get("FSDP_STATE_DICT_TYPE", default_state_dict_type(version)),
-        sequence_parallel=int(environ.get("PARALLELISM_CONFIG_SP_SIZE", "1")) if parallelism else 1,
+        sequence_parallel=sequence_parallel,
+        data_parallel=max(1, int(environ.get("WORLD_SIZE", "1")) // sequence_parallel),
     )

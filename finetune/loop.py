@@ -59,12 +59,11 @@ def run_steps(run: Run, metrics: MetricsLogger) -> tuple[str, int]:
     stopped training after saving a checkpoint (0 when training ran to the end).
     """
     recipe, accelerator = run.recipe, run.accelerator
-    accumulation = recipe.train.gradient_accumulation_steps
+    accumulation = run.accumulation
     rows_per_micro_batch = recipe.train.micro_batch_size * data_parallel_size(accelerator)
-    # A fingerprint of the token ids this rank trained on, accumulated on the device without syncing.
-    data_fingerprint = torch.zeros((), dtype=torch.int64, device=accelerator.device)
     window = _LogWindow(model_flops(accelerator.unwrap_model(run.model)), peak_flops(accelerator.device))
     windows = _accumulation_windows(run.train_loader, accumulation, run.start, rows_per_micro_batch, accelerator)
+    draws = _Draws(windows, accumulation, torch.zeros((), dtype=torch.int64, device=accelerator.device))
     probe: MemoryProbe | None = MemoryProbe(run.model, accelerator)  # measures this run's first step
     saver = _Saver(run, metrics, window)
     profiler = StepProfiler(recipe.train.profile_steps, run.max_steps, run.output_dir / "profile",
@@ -77,10 +76,8 @@ def run_steps(run: Run, metrics: MetricsLogger) -> tuple[str, int]:
         for step in range(run.start.step + 1, run.max_steps + 1):
             profiler.begin(step)  # data loading, the step and its logging; evaluation and saves are not
             if (step - 1) % reuse == 0:
-                epoch, rows_into_epoch, loaded = next(windows)
-                for i, batch in enumerate(loaded):
-                    data_fingerprint += batch["input_ids"].long().sum() * (step * accumulation + i)
-            micro_batches = run.objective.rollout(run.model, loaded, step, accelerator)
+                loaded = draws.first(step)
+            micro_batches = run.objective.rollout(run.model, loaded, step, accelerator, draws.next)
             lr = run.scheduler.get_last_lr()[0]  # the rate this step's update uses
             result = train_step(
                 run.model, run.optimizer, micro_batches, accelerator, recipe.optim.max_grad_norm, step, probe,
@@ -103,14 +100,41 @@ def run_steps(run: Run, metrics: MetricsLogger) -> tuple[str, int]:
             # A signal during this step's update or evaluation stops at the end of its window.
             stopping = stopping or result.stop_requested
             stop = stopping and step % reuse == 0
-            saver.save_if_due(step, epoch, rows_into_epoch, stop)
+            saver.save_if_due(step, draws.epoch, draws.rows_into_epoch, stop)
             if stop and not last_step:
                 saver.finish()
                 if (profiled := profiler.end(step, stopping=True)) is not None:
                     accelerator.print(profiled)
-                return f"{data_fingerprint.item():x}", step
+                return f"{draws.fingerprint.item():x}", step
     saver.finish()  # the last save completes before export reads it
-    return f"{data_fingerprint.item():x}", 0
+    return f"{draws.fingerprint.item():x}", 0
+
+
+@dataclass
+class _Draws:
+    """The loader's windows as the loop draws them, and where the data stands after the last one (a checkpoint's
+    place in it): a window a step, and more where a rollout draws them (online RL's dynamic sampling)."""
+
+    windows: Iterator[tuple[int, int, list[Batch]]]
+    accumulation: int
+    fingerprint: torch.Tensor
+    """The token ids this rank trained on, weighted by their place, accumulated on the device without syncing."""
+    epoch: int = 0
+    rows_into_epoch: int = 0
+    step: int = 0
+    drawn: int = 0
+    """Micro-batches drawn since the step began."""
+
+    def first(self, step: int) -> list[Batch]:
+        self.step, self.drawn = step, 0
+        return self.next()
+
+    def next(self) -> list[Batch]:
+        self.epoch, self.rows_into_epoch, window = next(self.windows)
+        for i, batch in enumerate(window):
+            self.fingerprint += batch["input_ids"].long().sum() * (self.step * self.accumulation + self.drawn + i)
+        self.drawn += len(window)
+        return window
 
 
 @dataclass

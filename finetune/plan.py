@@ -310,16 +310,15 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     if recipe.rl is None:
         return training
     whole = shape.parameters * compute_bytes if strategy != "ddp" else gather  # unsharded: nothing to gather
-    return replace(training, generation=generation_bytes(shape, recipe, compute_bytes, whole, gather))
+    return replace(training, generation=generation_bytes(shape, recipe, launch, compute_bytes, whole, gather))
 
 
 def generation_bytes(
-    shape: ModelShape, recipe: RecipeConfig, compute_bytes: int, whole: int, per_layer: int
+    shape: ModelShape, recipe: RecipeConfig, launch: Launch, compute_bytes: int, whole: int, per_layer: int
 ) -> Generation:
     """Online RL's rollout on one device: a step's completions (micro-batches x accumulation x generations) decoded
     together, with a KV cache of `data.max_length` tokens each."""
-    rl = recipe.rl
-    rows = recipe.train.micro_batch_size * recipe.train.gradient_accumulation_steps * rl.num_generations
+    rows = _rollout_rows(recipe, launch)
     kv_cache = rows * recipe.data.max_length * shape.layers * 2 * shape.kv_hidden * compute_bytes
     return Generation(kv_cache, whole, per_layer, rows * shape.vocab * 4 * 2)
 
@@ -352,8 +351,10 @@ def _sequences(recipe: RecipeConfig) -> int:
     return recipe.train.micro_batch_size * (2 if recipe.preference is not None else 1)
 
 
-def _rollout_rows(recipe: RecipeConfig) -> int:
-    return recipe.train.micro_batch_size * recipe.train.gradient_accumulation_steps * recipe.rl.num_generations
+def _rollout_rows(recipe: RecipeConfig, launch: Launch) -> int:
+    """The completions one device samples for a step: its prompts (micro-batches x accumulation) x generations."""
+    accumulation = recipe.train.accumulation(launch.data_parallel)
+    return recipe.train.micro_batch_size * accumulation * recipe.rl.num_generations
 
 
 def _trainable(shape: ModelShape) -> str:
@@ -379,7 +380,7 @@ def refuse_launch(recipe: RecipeConfig, launch: Launch) -> None:
     problems = recipe_launch_problems(
         recipe, fsdp_version=launch.fsdp_version if launch.strategy != "ddp" else 0,
         rank_zero_loading=launch.cpu_ram_efficient_loading, state_dict_type=launch.state_dict_type,
-        sequence_parallel=launch.sequence_parallel,
+        sequence_parallel=launch.sequence_parallel, data_parallel=launch.data_parallel,
     )  # fmt: skip
     if problems:
         raise FinetuneError(f"cannot train with {launch.config_path}: " + "; ".join(problems))
@@ -439,8 +440,9 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
             else f"parameters gathered per layer at every token, {rollout.per_layer / gib:.2f}"
         )
         peak = rollout.total(chosen) - rollout.per_layer + (rollout.whole if once else rollout.per_layer)
+        rows = _rollout_rows(recipe, launch)
         lines.append(
-            f"generation (rl: {_rollout_rows(recipe)} completions a step): KV cache {rollout.kv_cache / gib:.2f}, "
+            f"generation (rl: {rows} completions a step): KV cache {rollout.kv_cache / gib:.2f}, "
             f"{gathered}, logits {rollout.logits / gib:.2f}; {peak / gib:.2f} {unit_name} per device while generating"
         )
     if chosen.device_at_load:

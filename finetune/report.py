@@ -26,7 +26,7 @@ def log_setup(run: Run, resume_from: Path | None) -> None:
     if not accelerator.is_main_process:
         return
     processes = data_parallel_size(accelerator)
-    global_batch = recipe.train.micro_batch_size * recipe.train.gradient_accumulation_steps * processes
+    global_batch = recipe.train.micro_batch_size * run.accumulation * processes
     kind = "data-parallel " if processes != accelerator.num_processes else ""  # the rest share rows (sequence groups)
     lines = [
         f"strategy: {strategy_name(accelerator)} on {accelerator.device.type}",
@@ -34,7 +34,7 @@ def log_setup(run: Run, resume_from: Path | None) -> None:
         run.weights.describe(model),
         attention_line(accelerator, recipe, model),
         *run.choices,
-        f"batch: {recipe.train.micro_batch_size} x {recipe.train.gradient_accumulation_steps} accumulation x "
+        f"batch: {recipe.train.micro_batch_size} x {run.accumulation} accumulation x "
         f"{processes} {kind}processes = {global_batch} {run.unit_noun} per step, {run.max_steps} steps",
         run.data.train_stats.describe("train data"),
         sequence_line(accelerator, recipe),

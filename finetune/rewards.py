@@ -8,7 +8,8 @@ A reward is a built-in or a function of your own, called once per rollout with e
 `[{"role": "assistant", "content": text}]` for conversations; every other column of the data by its name, one
 value per completion. None leaves a completion unscored by that function (its group's baseline ignores it).
 Built-ins: `exact_match` (the completion, or what `pattern` extracts from it, equals the `column`'s value, both
-stripped) and `regex` (1.0 when the completion matches `pattern` whole).
+stripped), `regex` (1.0 when the completion matches `pattern` whole) and `overlong` (DAPO's soft penalty, 0 to -1
+over the last `cache` tokens before `rl.max_new_tokens`).
 
 Imports and signatures are checked before anything loads; the columns a reward reads, once the data is read.
 """
@@ -44,11 +45,16 @@ class Reward:
     """The data column a built-in reads, checked against the data."""
 
 
-def build_rewards(configs: list[RewardConfig]) -> list[Reward]:
-    """The recipe's rewards, imported and checked (one message naming the fix for each kind of mistake)."""
+def build_rewards(configs: list[RewardConfig], max_new_tokens: int | None = None) -> list[Reward]:
+    """The recipe's rewards, imported and checked (one message naming the fix for each kind of mistake);
+    `max_new_tokens`, the completions' limit, is what `overlong` measures against."""
     rewards = []
     for cfg in configs:
-        if cfg.function == "exact_match":
+        if cfg.function == "overlong":
+            if max_new_tokens is None:
+                raise ValueError("build_rewards: overlong needs the completions' limit, max_new_tokens")
+            rewards.append(Reward(cfg.name, cfg.weight, _overlong(max_new_tokens, cfg.cache or 0), None))
+        elif cfg.function == "exact_match":
             column = cfg.column or "answer"
             rewards.append(Reward(cfg.name, cfg.weight, _exact_match(column, cfg.pattern), column))
         elif cfg.function == "regex":
@@ -178,6 +184,17 @@ def _exact_match(column: str, pattern_text: str | None) -> Callable[..., list[fl
         return scores
 
     return exact_match
+
+
+def _overlong(limit: int, cache: int) -> Callable[..., list[float]]:
+    """DAPO's soft overlong punishment: 0 up to `limit - cache` tokens, then falling linearly to -1 at `limit`
+    (the completion's stop token counted, as it is trained); past it (not sampled here, given data) -1."""
+    free = limit - cache
+
+    def overlong(completion_ids: list[list[int]], **_: Any) -> list[float]:
+        return [0.0 if len(ids) <= free else max(-1.0, (free - len(ids)) / cache) for ids in completion_ids]
+
+    return overlong
 
 
 def _regex(pattern: str) -> Callable[..., list[float]]:

@@ -17,6 +17,7 @@ from finetune.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_RECIPE = REPO / "recipes" / "demo" / "tiny_llama.yaml"
+GRPO_RECIPE = REPO / "recipes" / "demo" / "tiny_llama_grpo.yaml"
 CONFIGS = REPO / "accelerate_configs"
 
 
@@ -103,6 +104,9 @@ def recipe_overrides(assets: Path, output_dir: Path, **extra) -> list[str]:
         "train.eval_every_steps": 8,
         "train.log_every_steps": 1,
         "optim.warmup_steps": 2,
+        # A micro-batch x accumulation x processes as each test sets them (the recipe's global batch of 16 would
+        # set the accumulation by the process count): tests of the global batch set it again.
+        "train.global_batch_size": "null",
         **extra,
     }
     if not any(key.startswith("eval.generate") for key in extra):

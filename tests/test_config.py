@@ -208,3 +208,28 @@ def test_a_renamed_key_keeps_working_with_a_note_naming_the_new_one(tmp_path, ca
     monkeypatch.setenv("RANK", "1")  # said once per launch, by rank 0
     load_recipe(write(tmp_path, MINIMAL), ["train.loss=full_logits"])
     assert capsys.readouterr().err == ""
+
+
+def test_a_global_batch_gives_the_accumulation_of_each_launch_and_is_refused_where_it_does_not_divide():
+    from helpers import DEMO_RECIPE, GRPO_RECIPE
+
+    from finetune.launch import environment_problems
+
+    sft, rl = load_recipe(DEMO_RECIPE, []), load_recipe(GRPO_RECIPE, [])
+    assert (sft.train.global_batch_size, sft.train.micro_batch_size) == (16, 8)
+    assert [sft.train.accumulation(n) for n in (1, 2)] == [2, 1] and rl.train.accumulation(1) == 2
+    assert environment_problems(sft, {"WORLD_SIZE": "2"}) == []
+    (problem,) = environment_problems(sft, {"WORLD_SIZE": "4"})
+    assert problem == (
+        "train.global_batch_size=16 is not a whole number of micro-batches of 8 on 4 data-parallel process(es) "
+        "(32 samples a round); set it to a multiple of 32 (e.g. 32 or 64), or change train.micro_batch_size"
+    )
+    # Processes that share rows (sequence groups) are one data-parallel process.
+    sequence_groups = {
+        "WORLD_SIZE": "4", "ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_SP_SIZE": "2",
+    }  # fmt: skip
+    assert not [p for p in environment_problems(sft, sequence_groups) if "global_batch_size" in p]
+    with pytest.raises(ConfigError, match="unset one"):
+        load_recipe(DEMO_RECIPE, ["train.gradient_accumulation_steps=2"])
+    unset = load_recipe(DEMO_RECIPE, ["train.global_batch_size=null"])
+    assert [unset.train.accumulation(n) for n in (1, 4)] == [1, 1]

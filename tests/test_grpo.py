@@ -12,16 +12,13 @@ import types
 
 import pytest
 import torch
-from helpers import REPO, LaunchedRun, launch, tiny_config
+from helpers import GRPO_RECIPE, LaunchedRun, launch, tiny_config
 from safetensors.torch import load_file
 
 from finetune.config import RewardConfig, RLConfig, load_recipe
 from finetune.errors import FinetuneError
 from finetune.objectives.grpo import GRPO, advantages, summed_loss, token_losses
 from finetune.rewards import build_rewards, check_columns, score
-
-GRPO_RECIPE = REPO / "recipes" / "demo" / "tiny_llama_grpo.yaml"
-
 
 # ---- The loss and advantages, against TRL's GRPOTrainer on the same log-probabilities, rewards and masks.
 
@@ -32,10 +29,13 @@ def _trl_loss(loss: str, beta: float, logps, old, ref, advantage, mask, max_new_
 
     accelerator = types.SimpleNamespace(num_processes=1, reduce=lambda t, reduction: t, gather=lambda t: t,
                                         gather_for_metrics=lambda t: t, sync_gradients=True)  # fmt: skip
+    # GSPO is TRL's grpo loss with sequence-level ratios; its cispo bound is the weight's maximum (1 + ours).
+    level = "sequence" if loss == "gspo" else "token"
     trainer = types.SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logps, torch.zeros_like(logps), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
-        loss_type=loss, epsilon_low=0.2, epsilon_high=0.28, use_vllm=False, _entropy_bonus_enabled=False,
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level, beta=beta,
+        loss_type="grpo" if loss == "gspo" else loss, epsilon_low=0.2,
+        epsilon_high=1.28 if loss == "cispo" else 0.28, use_vllm=False, _entropy_bonus_enabled=False,
         aux_loss_enabled=False, model=types.SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
         max_completion_length=max_new_tokens, accelerator=accelerator,
         _metrics={"train": collections.defaultdict(list)},
@@ -50,7 +50,7 @@ def _trl_loss(loss: str, beta: float, logps, old, ref, advantage, mask, max_new_
     return GRPOTrainer._compute_loss(trainer, None, inputs)
 
 
-@pytest.mark.parametrize("loss", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_the_loss_and_its_gradient_equal_trl_grpo_trainer(loss, beta):
     torch.manual_seed(0)
@@ -66,17 +66,25 @@ def test_the_loss_and_its_gradient_equal_trl_grpo_trainer(loss, beta):
     expected = _trl_loss(loss, beta, logps, old, ref, advantage, mask, max_new_tokens)
     (expected_grad,) = torch.autograd.grad(expected, logps)
 
-    cfg = RLConfig(rewards=[RewardConfig(function="exact_match")], loss=loss, beta=beta, epsilon=0.2,
+    epsilon = None if loss == "cispo" else 0.2  # cispo clips above only
+    cfg = RLConfig(rewards=[RewardConfig(function="exact_match")], loss=loss, beta=beta, epsilon=epsilon,
                    epsilon_high=0.28, max_new_tokens=max_new_tokens)  # fmt: skip
+    assert cfg.errors() == []
     kept = completion.bool()  # our tokens: the completions', rows flattened
     sequence = torch.arange(rows)[:, None].expand(rows, width)[kept]
-    ours = token_losses(cfg, logps[kept], old[kept], ref[kept] if beta else None, advantage[sequence])
-    units = mask.sum() if loss == "dapo" else torch.tensor(float(rows))  # the objective's count
+    ours = token_losses(
+        cfg, logps[kept], old[kept], ref[kept] if beta else None, advantage[sequence], mask[kept], sequence, rows
+    )
+    units = mask.sum() if cfg.per_token else torch.tensor(float(rows))  # the objective's count
     total = summed_loss(cfg, ours.per_token, mask[kept], sequence, rows) / units
     (grad,) = torch.autograd.grad(total, logps)
     torch.testing.assert_close(total, expected, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-8)
-    assert ours.low_clipped.any() and ours.high_clipped.any()  # both sides of the clip are exercised
+    assert (ours.low_clipped | ours.high_clipped).any()  # the clip is exercised (both sides by the token losses)
+    assert loss in ("gspo", "cispo") or ours.low_clipped.any() and ours.high_clipped.any()
+    if loss == "gspo":  # one ratio per completion: a completion is clipped whole or not at all
+        for n in range(rows):
+            assert ours.high_clipped[sequence == n].unique().numel() == 1
 
 
 def _trl_advantages(rewards_per_function, weights, generations, scale):
@@ -417,8 +425,9 @@ def _grpo(
         "model.name_or_path": base, "data.train_path": assets / "data" / "prompts_train.jsonl",
         "data.eval_path": assets / "data" / "prompts_eval.jsonl", "output.dir": output_dir, "output.trackers": "[]",
         "train.max_steps": 4, "train.eval_every_steps": 4, "train.log_every_steps": 1, "optim.warmup_steps": 0,
-        "train.micro_batch_size": 8 // processes, "rl.num_generations": 6, "rl.num_iterations": 2,
+        "train.global_batch_size": 8, "train.micro_batch_size": 4, "rl.num_generations": 6, "rl.num_iterations": 2,
         "rl.temperature": 0.5, "rl.beta": 0.04, "checkpoint.save_every_steps": 2, "eval.generate.samples": 20,
+        "rl.dynamic_sampling_rounds": 2,
         **extra,
     }  # fmt: skip
     config = config or ("single_gpu.yaml" if processes == 1 else "fsdp2_full_shard.yaml")
@@ -440,7 +449,8 @@ def test_a_reward_that_fails_on_one_process_stops_every_process_with_its_message
     overrides = {
         "model.name_or_path": demo_assets / "base", "data.train_path": demo_assets / "data" / "prompts_train.jsonl",
         "data.eval_path": "null", "eval.generate": "null", "output.dir": tmp_path / "out", "output.trackers": "[]",
-        "train.max_steps": 2, "train.micro_batch_size": 2, "rl.num_generations": 2, "rl.max_new_tokens": 4,
+        "train.max_steps": 2, "train.global_batch_size": 4, "train.micro_batch_size": 2, "rl.num_generations": 2,
+        "rl.max_new_tokens": 4,
         "rl.rewards": "[{function: one_sided:reward}]",
     }  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
@@ -483,6 +493,8 @@ def test_grpo_samples_and_trains_the_same_on_one_process_and_two(grpo_runs):
     for step, values in _per_step(two).items():  # the same completions, rewards and updates
         assert values == pytest.approx(steps[step], rel=1e-4, abs=1e-6), step
     assert 0 < steps[1]["reward"] < 1 and steps[1]["frac_reward_zero_std"] < 1  # rewards vary within groups
+    # Dynamic sampling drew more prompts for groups whose rewards tied, the same on both process counts.
+    assert steps[1]["dynamic_sampling/generated_per_trained"] > 1 and steps[1]["dynamic_sampling/dropped"] > 0
     assert steps[2]["kl"] > 0  # the policy has moved from its reference
     first, second = (load_file(run.output_dir / "final" / "model.safetensors") for run in grpo_runs)
     assert max((first[k] - second[k]).abs().max().item() for k in first) < 1e-5
@@ -617,3 +629,37 @@ def test_every_prompt_is_checked_when_read_and_a_prefill_is_continued(demo_asset
         samples.prepare([(source, datasets.Dataset.from_list([{"prompt": prefill[:1]}]))], plain, data, 0)
     with pytest.raises(FinetuneError, match="has no prompt column"):
         samples.prepare([(None, datasets.Dataset.from_list([{"question": "p", "answer": "s"}]))], tokenizer, data, 0)
+
+
+def test_the_soft_overlong_penalty_equals_trl_and_its_settings_are_checked():
+    from trl.rewards import get_soft_overlong_punishment
+
+    (overlong,) = build_rewards([RewardConfig(function="overlong", cache=4)], max_new_tokens=10)
+    ids = [[1] * n for n in range(12)]
+    expected = get_soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4)(completion_ids=ids)
+    assert overlong.function(completion_ids=ids, completions=[""] * 12) == pytest.approx(expected)
+    assert overlong.function(completion_ids=ids, completions=[""] * 12)[5:] == pytest.approx(
+        [0.0, 0.0, -0.25, -0.5, -0.75, -1.0, -1.0]
+    )
+    for rewards, message in [
+        ("[{function: overlong}]", "overlong needs cache >= 1"),
+        ("[{function: overlong, cache: 17}]", "longer than rl.max_new_tokens=16"),
+        ("[{function: exact_match, cache: 2}]", "cache is overlong's setting"),
+        ("[{function: overlong, cache: 2, column: answer}]", "reads no column or pattern"),
+    ]:
+        with pytest.raises(FinetuneError, match=message):
+            load_recipe(GRPO_RECIPE, [f"rl.rewards={rewards}"])
+
+
+def test_dynamic_sampling_is_refused_without_room_and_warns_when_it_runs_out_of_rounds():
+    from finetune.build import max_steps_of
+    from finetune.objectives.grpo import _warnings
+
+    recipe = load_recipe(GRPO_RECIPE, ["rl.dynamic_sampling_rounds=3"])
+    assert max_steps_of(recipe, list(range(8)), 2) == recipe.train.max_steps  # 4 steps' prompts an epoch
+    with pytest.raises(FinetuneError, match="may draw 4 steps' prompts for one step, and an epoch holds 3"):
+        max_steps_of(recipe, list(range(6)), 2)
+    with pytest.raises(FinetuneError, match="dynamic_sampling_rounds must be >= 0"):
+        load_recipe(GRPO_RECIPE, ["rl.dynamic_sampling_rounds=-1"])
+    (line,) = _warnings(completions=64, truncated=0, groups=8, no_signal=2, unfilled=3)
+    assert line.startswith("dynamic sampling trained 3 groups without a reward spread since the last log")

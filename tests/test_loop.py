@@ -84,11 +84,17 @@ def test_epochs_become_steps_and_too_little_data_is_an_error():
     from finetune.errors import FinetuneError
 
     by_epochs = load_recipe(
-        DEMO_RECIPE, ["train.max_steps=null", "train.num_epochs=1.5", "train.gradient_accumulation_steps=2"]
+        DEMO_RECIPE,
+        [
+            "train.max_steps=null",
+            "train.num_epochs=1.5",
+            "train.global_batch_size=null",
+            "train.gradient_accumulation_steps=2",
+        ],
     )
-    assert max_steps_of(by_epochs, list(range(10))) == 8  # 5 steps per epoch
+    assert max_steps_of(by_epochs, list(range(10)), 2) == 8  # 5 steps per epoch
     with pytest.raises(FinetuneError, match="fewer than train.gradient_accumulation_steps=2; add data or lower it"):
-        max_steps_of(by_epochs, [0])
+        max_steps_of(by_epochs, [0], 2)
 
 
 # ---- The step's host synchronizations: a GPU runs ahead of the host only if the host never waits for it.

@@ -63,9 +63,16 @@ class Objective(Protocol):
     """Optimizer steps each window of micro-batches trains (online RL's num_iterations; 1 for the others)."""
 
     def rollout(
-        self, model: torch.nn.Module, micro_batches: list[Batch], step: int, accelerator: Accelerator
+        self,
+        model: torch.nn.Module,
+        micro_batches: list[Batch],
+        step: int,
+        accelerator: Accelerator,
+        draw: Callable[[], list[Batch]] | None = None,
     ) -> list[Batch]:
-        """The micro-batches step `step` trains on, made from those loaded (a collective where it generates)."""
+        """The micro-batches step `step` trains on, made from those loaded (a collective where it generates);
+        `draw` loads the next window of micro-batches (every process at once), for an objective that needs more
+        than the step's own (online RL's dynamic sampling): the data a later step would have trained on."""
         ...
 
     def count(self, batch: Batch) -> torch.Tensor: ...
@@ -122,7 +129,12 @@ class AsLoaded:
     steps_per_window: int = 1
 
     def rollout(
-        self, model: torch.nn.Module, micro_batches: list[Batch], step: int, accelerator: Accelerator
+        self,
+        model: torch.nn.Module,
+        micro_batches: list[Batch],
+        step: int,
+        accelerator: Accelerator,
+        draw: Callable[[], list[Batch]] | None = None,
     ) -> list[Batch]:
         return micro_batches
 

@@ -8,6 +8,7 @@ models report it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,9 +46,14 @@ class WithBalancingLoss:
         return self.inner.steps_per_window
 
     def rollout(
-        self, model: torch.nn.Module, micro_batches: list[Batch], step: int, accelerator: Accelerator
+        self,
+        model: torch.nn.Module,
+        micro_batches: list[Batch],
+        step: int,
+        accelerator: Accelerator,
+        draw: Callable[[], list[Batch]] | None = None,
     ) -> list[Batch]:
-        return self.inner.rollout(model, micro_batches, step, accelerator)
+        return self.inner.rollout(model, micro_batches, step, accelerator, draw)
 
     def count(self, batch: Batch) -> torch.Tensor:
         return self.inner.count(batch)

@@ -76,12 +76,30 @@ def token_losses(
     old_logps: torch.Tensor,
     ref_logps: torch.Tensor | None,
     advantages: torch.Tensor,
+    mask: torch.Tensor,
+    sequence: torch.Tensor,
+    num_sequences: int,
 ) -> TokenLosses:
-    """Each completion token's clipped surrogate loss (and KL penalty), from its log-probability under the policy,
-    at sampling, under the reference, and its completion's advantage: all (tokens,)."""
-    ratio = torch.exp(logps - old_logps)
-    clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.upper_epsilon)
-    per_token = -torch.min(ratio * advantages, clipped * advantages)
+    """Each completion token's loss (and KL penalty), from its log-probability under the policy, at sampling, under
+    the reference, its completion's advantage, whether it trains (`mask`) and its completion's number (`sequence`):
+    all (tokens,). PPO's clipped surrogate of the token's ratio (grpo, dapo, dr_grpo) or of its completion's (gspo:
+    the exponent of the mean log-ratio over the completion's trained tokens, GSPO's); cispo's policy gradient
+    weighted by the ratio clipped above and held constant (MiniMax-M1's)."""
+    log_ratio = logps - old_logps
+    if cfg.loss == "gspo":
+        zeros = log_ratio.new_zeros(num_sequences)
+        counts = zeros.index_add(0, sequence, mask.to(log_ratio.dtype)).clamp(min=1)
+        log_ratio = (zeros.index_add(0, sequence, log_ratio * mask) / counts).index_select(0, sequence)
+    ratio = torch.exp(log_ratio)
+    if cfg.loss == "cispo":
+        # The weight never passes gradient, so a clipped token still trains (PPO's clip would zero it).
+        weight = torch.clamp(ratio, max=1 + cfg.upper_epsilon).detach()
+        per_token = -weight * advantages * logps
+        low = torch.zeros_like(ratio, dtype=torch.bool)
+    else:
+        clipped = torch.clamp(ratio, 1 - cfg.lower_epsilon, 1 + cfg.upper_epsilon)
+        per_token = -torch.min(ratio * advantages, clipped * advantages)
+        low = (ratio < 1 - cfg.lower_epsilon) & (advantages < 0)
     kl = None
     if cfg.beta:
         # k3, an unbiased estimate of KL(policy || reference) with low variance (Schulman's).
@@ -89,7 +107,6 @@ def token_losses(
         kl = torch.exp(difference) - difference - 1
         per_token = per_token + cfg.beta * kl
         kl = kl.detach()
-    low = (ratio < 1 - cfg.epsilon) & (advantages < 0)
     high = (ratio > 1 + cfg.upper_epsilon) & (advantages > 0)
     return TokenLosses(per_token, low.detach(), high.detach(), kl)
 
@@ -97,11 +114,12 @@ def token_losses(
 def summed_loss(
     cfg: RLConfig, per_token: torch.Tensor, mask: torch.Tensor, sequence: torch.Tensor, num_sequences: int
 ) -> torch.Tensor:
-    """A micro-batch's loss summed over the objective's units (the loop divides by the step's units): dapo, the
-    sum over tokens; grpo, each completion's mean over its tokens, summed; dr_grpo, each completion's sum over
-    max_new_tokens, summed. `mask` (tokens,) is 0 where a token trains nothing, `sequence` its completion."""
+    """A micro-batch's loss summed over the objective's units (the loop divides by the step's units): dapo and
+    cispo, the sum over tokens; grpo and gspo, each completion's mean over its tokens, summed; dr_grpo, each
+    completion's sum over max_new_tokens, summed. `mask` (tokens,) is 0 where a token trains nothing, `sequence`
+    its completion."""
     masked = per_token * mask
-    if cfg.loss == "dapo":
+    if cfg.per_token:
         return masked.sum()
     if cfg.loss == "dr_grpo":
         return masked.sum() / cfg.max_new_tokens
@@ -152,6 +170,83 @@ def _nanstd(grouped: torch.Tensor) -> torch.Tensor:
     return torch.where(count > 1, variance, torch.full_like(variance, math.nan)).sqrt()
 
 
+_BASE = 11
+"""The window's sums before the reward functions' (see `_Window.__post_init__`)."""
+
+
+@dataclass
+class _Sampled:
+    """A rollout's completions on this process, `num_generations` a prompt in order, with what training needs."""
+
+    prompts: list[list[int]]
+    """Each completion's prompt tokens."""
+    completions: list[list[int]]
+    per_function: torch.Tensor
+    """(completions, functions) rewards, NaN where a function scored nothing."""
+    truncated: list[bool]
+    keys: list[tuple[int, int]]
+    """Each group's (round, prompt number): its place in the step, the same on any process count."""
+    signal: torch.Tensor
+    """(groups,) whether the group's rewards differ."""
+
+    @staticmethod
+    def joined(parts: list[_Sampled]) -> _Sampled:
+        return _Sampled(
+            [p for part in parts for p in part.prompts], [c for part in parts for c in part.completions],
+            torch.cat([part.per_function for part in parts]), [t for part in parts for t in part.truncated],
+            [k for part in parts for k in part.keys], torch.cat([part.signal for part in parts]),
+        )  # fmt: skip
+
+    def groups(self, chosen: list[int], generations: int) -> list[tuple]:
+        """The chosen groups' data, a tuple each (what a process sends another)."""
+        out = []
+        for g in chosen:
+            rows = slice(g * generations, (g + 1) * generations)
+            out.append((self.prompts[rows], self.completions[rows], self.per_function[rows], self.truncated[rows],
+                        self.keys[g], bool(self.signal[g])))  # fmt: skip
+        return out
+
+    @staticmethod
+    def of_groups(groups: list[tuple]) -> _Sampled:
+        return _Sampled(
+            [p for g in groups for p in g[0]], [c for g in groups for c in g[1]],
+            torch.cat([g[2] for g in groups]), [t for g in groups for t in g[3]], [g[4] for g in groups],
+            torch.tensor([g[5] for g in groups]),
+        )  # fmt: skip
+
+
+def _summed(accelerator: Accelerator, values: list[float]) -> list[float]:
+    """`values` added up over every process."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+    return accelerator.reduce(tensor, "sum").cpu().tolist()
+
+
+def _gathered(accelerator: Accelerator, value: Any) -> list[Any]:
+    """Every process's `value` (picklable), in process order."""
+    if accelerator.num_processes == 1:
+        return [value]
+    out: list[Any] = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(out, value)
+    return out
+
+
+def _dealt(accelerator: Accelerator, sampled: _Sampled, total: int, micro: int, generations: int) -> _Sampled:
+    """The step's `total` groups, chosen over every process (those with a reward spread first, each kind in the
+    order (round, prompt number)), and this process's share of them: in that order, micro-batches of `micro` groups
+    dealt round the processes as the loader deals a step's prompts."""
+    processes, me = accelerator.num_processes, accelerator.process_index
+    candidates = [(not signal, key) for key, signal in zip(sampled.keys, sampled.signal.tolist(), strict=True)]
+    everyone = _gathered(accelerator, candidates)
+    ranked = sorted((c, process, n) for process, mine in enumerate(everyone) for n, c in enumerate(mine))
+    chosen = sorted(ranked[:total], key=lambda entry: entry[0][1])  # in (round, prompt number) order
+    owner = {(process, n): (k // micro) % processes for k, (_, process, n) in enumerate(chosen)}
+    place = {(process, n): k for k, (_, process, n) in enumerate(chosen)}
+    mine = [n for (process, n) in place if process == me]
+    sent = list(zip([(owner[me, n], place[me, n]) for n in mine], sampled.groups(mine, generations), strict=True))
+    received = [item for items in _gathered(accelerator, sent) for item in items if item[0][0] == me]
+    return _Sampled.of_groups([group for _, group in sorted(received, key=lambda item: item[0][1])])
+
+
 @dataclass
 class _Window:
     """Rollout and loss statistics since the last log, summed on this process (`periodic_metrics` adds them up)."""
@@ -166,9 +261,10 @@ class _Window:
     rollouts: int = 0
 
     # completions, their tokens, truncated ones, groups, groups all equal, reward sum, reward square sum,
-    # scored completions; per function: sum, square sum, scored. The losses': trained tokens, low, high, KL sum.
+    # scored completions; dynamic sampling's groups trained, dropped, and trained in steps it could not fill; per
+    # function: sum, square sum, scored. The losses': trained tokens, low, high, KL sum.
     def __post_init__(self) -> None:
-        self.sums = torch.zeros(8 + 3 * len(self.names), dtype=torch.float64)
+        self.sums = torch.zeros(_BASE + 3 * len(self.names), dtype=torch.float64)
 
     def add_rollout(self, rewards: torch.Tensor, per_function: torch.Tensor, lengths: list[int], truncated: list[bool],
                     equal: torch.Tensor, num_generations: int, seconds: float) -> None:  # fmt: skip
@@ -180,11 +276,17 @@ class _Window:
             equal.view(-1, num_generations)[:, 0].sum().item(), rewards[scored].double().sum().item(),
             (rewards[scored].double() ** 2).sum().item(), scored.sum().item(),
         ]  # fmt: skip
+        values += [0.0, 0.0, 0.0]  # dynamic sampling's, added by add_refill
         for column in per_function.double().T:
             valid = column[~torch.isnan(column)]
             values += [valid.sum().item(), (valid**2).sum().item(), len(valid)]
         self.sums[: len(values)] += torch.tensor(values, dtype=torch.float64)
         self.longest = max(self.longest, max(lengths))
+
+    def add_refill(self, trained: int, dropped: int, unfilled: bool) -> None:
+        """This process's groups of a dynamically sampled step: trained, generated and not trained, and whether the
+        step ran out of rounds before every trained group had signal."""
+        self.sums[8:_BASE] += torch.tensor([trained, dropped, trained * unfilled], dtype=torch.float64)
 
     def add_losses(self, mask: torch.Tensor, losses: TokenLosses) -> None:
         kl = (losses.kl * mask).sum() if losses.kl is not None else mask.new_zeros(())
@@ -204,7 +306,7 @@ class _Window:
         rollouts = self.rollouts
         self.sums.zero_()
         self.longest, self.loss_sums, self.generating_seconds, self.rollouts = 0.0, None, 0.0, 0
-        completions, tokens, truncated, groups, equal, total, squares, scored = sums[:8]
+        completions, tokens, truncated, groups, equal, total, squares, scored, trained, dropped, short = sums[:_BASE]
         values = {}
         if completions:  # a rollout since the last log (with num_iterations > 1, a step may train on an old one)
             values = {
@@ -215,10 +317,15 @@ class _Window:
             }  # fmt: skip
             if scored:  # else absent: no completion was scored, and 0 would read as a reward
                 values |= {"reward": total / scored, "reward_std": _std(scored, total, squares)}
-            for line in _warnings(completions, truncated, groups, equal):
+            if trained:  # dynamic sampling: the groups generated per group trained, and the share left untrained
+                values |= {
+                    "dynamic_sampling/generated_per_trained": groups / trained,
+                    "dynamic_sampling/dropped": dropped / groups, "dynamic_sampling/unfilled": short / trained,
+                }  # fmt: skip
+            for line in _warnings(completions, truncated, groups, equal, short):
                 accelerator.print(f"warning: {line}")
         for n, name in enumerate(self.names if completions else ()):
-            function_total, function_squares, function_scored = sums[8 + 3 * n : 11 + 3 * n]
+            function_total, function_squares, function_scored = sums[_BASE + 3 * n : _BASE + 3 + 3 * n]
             if not function_scored:
                 accelerator.print(
                     f"warning: rl.rewards: {name} scored none of the {completions:.0f} completions since the last log "
@@ -237,10 +344,16 @@ class _Window:
         return values
 
 
-def _warnings(completions: float, truncated: float, groups: float, no_signal: float) -> list[str]:
+def _warnings(completions: float, truncated: float, groups: float, no_signal: float, unfilled: float) -> list[str]:
     """What a logged window of rollouts says the user must know: steps that learned nothing, or completions that
-    never finished."""
+    never finished, or dynamic sampling that ran out of rounds."""
     lines = []
+    if unfilled:
+        lines.append(
+            f"dynamic sampling trained {unfilled:.0f} groups without a reward spread since the last log: "
+            "rl.dynamic_sampling_rounds extra rounds of prompts did not find enough with one; raise it, or make the "
+            "task's difficulty fit the model"
+        )
     if groups and no_signal == groups:
         lines.append(
             f"none of the {groups:.0f} prompts since the last log had completions whose rewards differ (or two "
@@ -289,14 +402,14 @@ class GRPO:
 
     @property
     def unit_name(self) -> str:
-        return "completion_tokens" if self.cfg.loss == "dapo" else "completions"
+        return "completion_tokens" if self.cfg.per_token else "completions"
 
     @property
     def steps_per_window(self) -> int:
         return self.cfg.num_iterations
 
     def count(self, batch: Batch) -> torch.Tensor:
-        if self.cfg.loss == "dapo":
+        if self.cfg.per_token:
             return batch["token_mask"].sum().double()
         return torch.tensor(float(batch["advantages"].shape[0]), dtype=torch.float64)
 
@@ -304,32 +417,71 @@ class GRPO:
         logps = token_logps(model, batch, self.loss_path, self.cfg.temperature)
         old = batch.get("old_logps")
         device = logps.device
-        sequence = batch["token_sequence"].to(device)
+        sequence, mask = batch["token_sequence"].to(device), batch["token_mask"].to(device)
+        completions = batch["advantages"].shape[0]
         losses = token_losses(
             self.cfg, logps, old.to(device) if old is not None else logps.detach(),
             batch["ref_logps"].to(device) if "ref_logps" in batch else None,
-            batch["advantages"].to(device).index_select(0, sequence),
+            batch["advantages"].to(device).index_select(0, sequence), mask, sequence, completions,
         )  # fmt: skip
-        mask = batch["token_mask"].to(device)
         self.window.add_losses(mask, losses)
-        summed = summed_loss(self.cfg, losses.per_token, mask, sequence, batch["advantages"].shape[0])
+        summed = summed_loss(self.cfg, losses.per_token, mask, sequence, completions)
         return summed, torch.zeros(0)
 
     def periodic_metrics(self, accelerator: Accelerator) -> dict[str, float]:
         return self.window.metrics(accelerator, self.cfg.beta)
 
     def rollout(
-        self, model: torch.nn.Module, micro_batches: list[Batch], step: int, accelerator: Accelerator
+        self,
+        model: torch.nn.Module,
+        micro_batches: list[Batch],
+        step: int,
+        accelerator: Accelerator,
+        draw: Callable[[], list[Batch]] | None = None,
     ) -> list[Batch]:
         """The step's micro-batches of prompts answered, scored and made micro-batches of completions (collective:
-        every process generates at once). A rollout trained on again (num_iterations) is returned as it was."""
+        every process generates at once). With dynamic sampling, groups whose rewards all tie are replaced by those
+        of more prompts (`draw`: the loader's next window, on every process at once). A rollout trained on again
+        (num_iterations) is returned as it was."""
         first_step = step - (step - 1) % self.cfg.num_iterations
         if self.cached is not None and self.cached[0] == first_step:
             return self.cached[1]
         generations = self.cfg.num_generations
+        sampled = self._sample(model, micro_batches, first_step, 0, accelerator)
+        if self.cfg.dynamic_sampling_rounds and draw is not None:
+            micro = len(micro_batches[0]["prompt_ids"])
+            sampled = self._refilled(model, sampled, draw, first_step, micro, accelerator)
+        moments = lambda values: accelerator.reduce(values.to(accelerator.device), "sum").cpu()  # noqa: E731
+        advantage, _, _ = advantages(sampled.per_function, self._weights, generations, self.cfg.scale_rewards, moments)
+        batches, start = [], 0
+        for batch in micro_batches:
+            rows = len(batch["prompt_ids"]) * generations
+            batches.append(self._completion_batch(
+                sampled.prompts[start : start + rows], sampled.completions[start : start + rows],
+                advantage[start : start + rows], sampled.truncated[start : start + rows],
+            ))  # fmt: skip
+            start += rows
+        self._add_log_probabilities(model, batches, accelerator)
+        self.cached = (first_step, batches) if self.cfg.num_iterations > 1 else None
+        return batches
+
+    def _sample(
+        self,
+        model: torch.nn.Module,
+        micro_batches: list[Batch],
+        first_step: int,
+        round_: int,
+        accelerator: Accelerator,
+    ) -> _Sampled:
+        """Micro-batches of prompts answered `num_generations` times each and scored (collective), counted in the
+        window. A prompt's noise is seeded by its number, the step and the round (0 for the step's own prompts)."""
+        generations = self.cfg.num_generations
         prompts = [ids for batch in micro_batches for ids in batch["prompt_ids"] for _ in range(generations)]
-        indices = [int(i) for batch in micro_batches for i in batch["prompt_index"] for _ in range(generations)]
-        seeds = [(self.seed, first_step, index, n % generations) for n, index in enumerate(indices)]
+        indices = [int(i) for batch in micro_batches for i in batch["prompt_index"]]
+        seeds = [
+            (self.seed, first_step, index, n) + ((round_,) if round_ else ())
+            for index in indices for n in range(generations)
+        ]  # fmt: skip
         sampling = Sampling(self.cfg.temperature, self.cfg.top_p, row_noise(seeds, self.cfg.max_new_tokens))
         was_training = model.training
         model.eval()
@@ -343,23 +495,37 @@ class GRPO:
         stops = stop_tokens(model, self.tokenizer)
         truncated = [not c or c[-1] not in stops for c in completions]  # cut at max_new_tokens
         per_function = raised_together(accelerator, self._score, micro_batches, completions, generations)
-        moments = lambda values: accelerator.reduce(values.to(accelerator.device), "sum").cpu()  # noqa: E731
-        advantage, rewards, equal = advantages(
-            per_function, self._weights, generations, self.cfg.scale_rewards, moments
-        )
+        _, rewards, no_signal = advantages(per_function, self._weights, generations, "group")
         lengths = [len(c) for c in completions]
-        self.window.add_rollout(rewards, per_function, lengths, truncated, equal, generations, seconds)
-        batches, start = [], 0
-        for batch in micro_batches:
-            rows = len(batch["prompt_ids"]) * generations
-            batches.append(self._completion_batch(
-                prompts[start : start + rows], completions[start : start + rows], advantage[start : start + rows],
-                truncated[start : start + rows],
-            ))  # fmt: skip
-            start += rows
-        self._add_log_probabilities(model, batches, accelerator)
-        self.cached = (first_step, batches) if self.cfg.num_iterations > 1 else None
-        return batches
+        self.window.add_rollout(rewards, per_function, lengths, truncated, no_signal, generations, seconds)
+        signal = ~no_signal.view(-1, generations)[:, 0]
+        return _Sampled(prompts, completions, per_function, truncated, [(round_, i) for i in indices], signal)
+
+    def _refilled(
+        self,
+        model: torch.nn.Module,
+        sampled: _Sampled,
+        draw: Callable[[], list[Batch]],
+        first_step: int,
+        micro: int,
+        accelerator: Accelerator,
+    ) -> _Sampled:
+        """Dynamic sampling (DAPO's): while fewer groups of the step have a reward spread than it trains, and at
+        most rl.dynamic_sampling_rounds times, another window of prompts is drawn and answered; then the step trains
+        the groups with signal first, in the order (round, prompt number), the rest filled by groups without: the
+        same groups on any process count, dealt to the processes as the loader deals prompts."""
+        groups = len(sampled.keys)
+        total = int(_summed(accelerator, [groups])[0])
+        rounds = [sampled]
+        while True:
+            with_signal = int(_summed(accelerator, [sum(int(r.signal.sum()) for r in rounds)])[0])
+            if with_signal >= total or len(rounds) > self.cfg.dynamic_sampling_rounds:
+                break
+            rounds.append(self._sample(model, draw(), first_step, len(rounds), accelerator))
+        merged = _Sampled.joined(rounds)
+        kept = _dealt(accelerator, merged, total, micro, self.cfg.num_generations)
+        self.window.add_refill(groups, len(merged.keys) - groups, with_signal < total)
+        return kept
 
     @property
     def _weights(self) -> torch.Tensor:
@@ -468,7 +634,8 @@ class GRPOBuilder:
 
     def __init__(self, cfg: RLConfig, base: str, adapters: bool):
         self.cfg = cfg
-        self.rewards = build_rewards(cfg.rewards)  # before anything loads: an import error is found in seconds
+        # Before anything loads: an import error is found in seconds.
+        self.rewards = build_rewards(cfg.rewards, cfg.max_new_tokens)
         self.samples = PromptOnly(
             cfg.max_new_tokens, lambda columns, where: check_columns(self.rewards, columns, where)
         )

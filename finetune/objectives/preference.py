@@ -123,7 +123,12 @@ class Preference:
     steps_per_window: int = 1
 
     def rollout(
-        self, model: torch.nn.Module, micro_batches: list[Batch], step: int, accelerator: Accelerator
+        self,
+        model: torch.nn.Module,
+        micro_batches: list[Batch],
+        step: int,
+        accelerator: Accelerator,
+        draw: Callable[[], list[Batch]] | None = None,
     ) -> list[Batch]:
         return micro_batches
 

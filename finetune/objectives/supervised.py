@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,12 @@ class Supervised:
     steps_per_window: int = 1
 
     def rollout(
-        self, model: torch.nn.Module, micro_batches: list[Batch], step: int, accelerator: Accelerator
+        self,
+        model: torch.nn.Module,
+        micro_batches: list[Batch],
+        step: int,
+        accelerator: Accelerator,
+        draw: Callable[[], list[Batch]] | None = None,
     ) -> list[Batch]:
         return micro_batches
 
