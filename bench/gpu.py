@@ -181,6 +181,7 @@ def measure(
         "data.format": "text",
         "data.max_length": seq,
         "train.micro_batch_size": micro_batch,
+        "train.global_batch_size": "null",  # one micro-batch a step, whatever the recipe's global batch
         "train.max_steps": 6 if args.quick else args.steps,
         "train.log_every_steps": 1,
         "train.eval_every_steps": 0,

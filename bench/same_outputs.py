@@ -21,7 +21,8 @@ from pathlib import Path
 from safetensors import safe_open
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS = {"train.max_steps": 6, "train.eval_every_steps": 3, "train.log_every_steps": 1, "optim.warmup_steps": 2}
+STEPS = {"train.max_steps": 6, "train.eval_every_steps": 3, "train.log_every_steps": 1, "optim.warmup_steps": 2,
+         "train.global_batch_size": "null"}  # fmt: skip
 LORA = {"peft.r": 8, "peft.target_modules": "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"}
 DPO = {"data.train_path": "{data}/pairs_train.jsonl", "data.eval_path": "{data}/pairs_eval.jsonl",
        "data.format": "auto", "preference.loss": "dpo", "preference.beta": 0.1,

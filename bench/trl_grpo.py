@@ -1,14 +1,16 @@
 """The TRL peer for online RL: `GRPOTrainer`, DDP, on the same model, prompts, group size and lengths.
 
     torchrun --nproc_per_node 2 bench/trl_grpo.py MODEL_DIR PROMPTS.jsonl STEPS PROMPTS_PER_PROCESS GENERATIONS \
-        MAX_NEW_TOKENS OUT.json
+        MAX_NEW_TOKENS OUT.json [CHECKPOINTING]
 
 TRL at its best for CPU: generation by transformers with a KV cache (no vLLM, which does not run on CPU; its
 continuous batching, `use_transformers_paged=True`, took 13.5 s a step against 1.3 s without on this bench), the
 same exact-reversal reward, DAPO's loss (its default), beta 0 (no reference model), one update per rollout,
 dropout off (as finetune runs), fp32 and a constant learning rate as `peers.trainer_settings`. Its batch counts
 completions: PROMPTS_PER_PROCESS x GENERATIONS per process, a rollout per step. It writes the wall time of every
-optimizer step (generation included: TRL generates inside the step) and the prompts each step answered.
+optimizer step (generation included: TRL generates inside the step), the prompts each step answered and the
+completions' mean length (TRL's `completions/mean_length`). CHECKPOINTING (1 or 0, default 1) is
+`gradient_checkpointing`, on in GRPOConfig's defaults.
 """
 
 from __future__ import annotations
@@ -41,7 +43,10 @@ class StepClock(TrainerCallback):
         self.step_seconds.append(time.perf_counter() - self.began)
 
 
-def main(model_dir: str, prompts_path: str, steps: int, prompts: int, generations: int, new_tokens: int, out: str):
+def main(
+    model_dir: str, prompts_path: str, steps: int, prompts: int, generations: int, new_tokens: int, out: str,
+    checkpointing: bool,
+):  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     data = datasets.load_dataset("json", data_files=prompts_path, split="train")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -50,6 +55,7 @@ def main(model_dir: str, prompts_path: str, steps: int, prompts: int, generation
     arguments = GRPOConfig(
         **settings, learning_rate=1e-4, num_generations=generations, max_completion_length=new_tokens,
         temperature=1.0, top_p=1.0, beta=0.0, loss_type="dapo", disable_dropout=True, log_completions=False,
+        gradient_checkpointing=checkpointing,
     )  # fmt: skip
     clock = StepClock()
     trainer = GRPOTrainer(
@@ -58,11 +64,13 @@ def main(model_dir: str, prompts_path: str, steps: int, prompts: int, generation
     )  # fmt: skip
     trainer.train()
     answered = [prompts * dist.get_world_size()] * len(clock.step_seconds)
-    write_steps(out, clock.step_seconds, prompts=answered)
+    lengths = [e["completions/mean_length"] for e in trainer.state.log_history if "completions/mean_length" in e]
+    write_steps(out, clock.step_seconds, prompts=answered, completion_tokens=sum(lengths) / max(len(lengths), 1))
     del trainer, model  # before the process group goes (close_ddp)
     close_ddp()
 
 
 if __name__ == "__main__":
     model_dir, prompts_path, steps, prompts, generations, new_tokens, out = sys.argv[1:8]
-    main(model_dir, prompts_path, int(steps), int(prompts), int(generations), int(new_tokens), out)
+    checkpointing = sys.argv[8] != "0" if len(sys.argv) > 8 else True
+    main(model_dir, prompts_path, int(steps), int(prompts), int(generations), int(new_tokens), out, checkpointing)

@@ -6,18 +6,20 @@ completion); `eval.generate.column` names another column as the reference. Greed
 `max_new_tokens`; the completion is decoded without special tokens and stripped, then scored: `exact_match` (equal
 to the reference, stripped) or `contains` (the reference appears in it).
 
-Under FSDP every forward gathers parameters from every process, so the processes decode in lock-step:
-transformers' `synced_gpus` keeps a process whose completions have all ended running forwards (their outputs
-discarded) until every process's have. Where nothing is gathered after the first forward (DDP, one process, or
-every unit's parameters kept gathered: `generating(model, gather_once=True)`), each process stops when its own
-completions have ended. Each process answers its share of the prompts (equal shares: the last
-prompt repeats where they do not divide, and is scored once); the scores are summed over processes, so a run
-reports the same numbers on any process count. Generation attends through SDPA with the padding mask (prompts are
-left-padded), whatever the training attention: the varlen path knows whole packed rows, not a growing cache; under
-sequence parallelism each process generates on whole rows of its own.
+Under FSDP every forward gathers parameters from every process, so the processes decode in lock-step: a process
+whose completions have all ended keeps running forwards (their outputs discarded) until every process's have.
+Where nothing is gathered after the first forward (DDP, one process, or every unit's parameters kept gathered:
+`generating(model, gather_once=True)`), each process stops when its own completions have ended. Each process
+answers its share of the prompts (equal shares: the last prompt repeats where they do not divide, and is scored
+once); the scores are summed over processes, so a run reports the same numbers on any process count.
+Generation attends through SDPA with the padding mask (prompts are left-padded), whatever the training
+attention: the varlen path knows whole packed rows, not a growing cache; under sequence parallelism each process
+generates on whole rows of its own.
 
 `complete` is the engine, for evaluation and for online RL's rollouts (`finetune.objectives.grpo`): token ids in,
-completion ids out, greedy or sampled with seeded noise. It is the seam where a colocated inference engine
+completion ids out, greedy or sampled with seeded noise, by a decoding loop of our own (`_decoded`: the rows that
+have ended leave the batch and its cache) or, as the reference and for models with caches of their own kind,
+transformers' `generate`. It is the seam where a colocated inference engine
 (vLLM) would take transformers' place on GPUs: it would need the trained weights pushed to it after every update
 (one gathered copy of them, by layer), the same stop tokens and sampling settings, and the uniform noise per
 row below (or log-probabilities returned with its samples, for the importance ratio).
@@ -32,6 +34,7 @@ completions on any process count and on resume.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -133,6 +136,20 @@ def row_noise(seeds: Sequence[Sequence[int]], length: int) -> torch.Tensor:
     return torch.from_numpy(numpy.stack([numpy.random.default_rng(list(seed)).random(length) for seed in seeds]))
 
 
+def _drawn(
+    scores: torch.Tensor, noise: torch.Tensor, sampling: Sampling, top_p: TopPLogitsWarper | None
+) -> torch.Tensor:
+    """(rows, 1) each row's next token: the first whose cumulative probability (after temperature and top-p)
+    reaches the row's uniform number `noise` (rows, 1)."""
+    scores = scores.float() / sampling.temperature
+    if top_p is not None:
+        scores = top_p(None, scores)
+    cumulative = torch.softmax(scores, dim=-1).cumsum(dim=-1)
+    # Scaled by the total, which rounding leaves a hair from 1; clamped for the same reason.
+    drawn = noise.to(scores.device, torch.float32)
+    return torch.searchsorted(cumulative, drawn * cumulative[:, -1:]).clamp(max=scores.shape[-1] - 1)
+
+
 class _InverseTransform(LogitsProcessor):
     """Sampling as a logits processor: each row's next token chosen from its own noise (see the module's
     docstring), every other token masked, so that transformers' greedy step picks it."""
@@ -142,14 +159,8 @@ class _InverseTransform(LogitsProcessor):
         self.top_p = TopPLogitsWarper(sampling.top_p) if sampling.top_p < 1 else None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        scores = scores.float() / self.sampling.temperature
-        if self.top_p is not None:
-            scores = self.top_p(input_ids, scores)
-        cumulative = torch.softmax(scores, dim=-1).cumsum(dim=-1)
         position = input_ids.shape[1] - self.prompt_width
-        drawn = self.sampling.noise[:, position : position + 1].to(scores.device, torch.float32)
-        # Scaled by the total, which rounding leaves a hair from 1; clamped for the same reason.
-        token = torch.searchsorted(cumulative, drawn * cumulative[:, -1:]).clamp(max=scores.shape[-1] - 1)
+        token = _drawn(scores, self.sampling.noise[:, position : position + 1], self.sampling, self.top_p)
         return torch.full_like(scores, -torch.inf).scatter_(1, token, 0.0)
 
 
@@ -162,35 +173,113 @@ def complete(
     sampling: Sampling | None = None,
     lock_step: bool = True,
     group: int = 1,
+    reference: bool = False,
 ) -> list[list[int]]:
     """Each prompt's completion token ids, up to and including the token that ended it (or `max_new_tokens` of
     them), greedy or sampled. Every process calls it together, inside `generating(model)`, whose value says
     whether the processes must decode in `lock_step` (their forwards gather parameters). `group`: each prompt
-    comes that many times in a row (online RL's completions of a prompt), and its forward runs once."""
+    comes that many times in a row (online RL's completions of a prompt), and its forward runs once. The model
+    decodes in a loop of our own where it can (`decodes_itself`), else, or with `reference`, in transformers'
+    `generate`: the same tokens (tests/test_generation.py)."""
     width = max(len(ids) for ids in prompts)
     pad = tokenizer.pad_token_id
     device = accelerator.device
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=device)
-    stops = stop_tokens(model, tokenizer)
     # Settings of our own, not the model's generation config (a chat model's sampling defaults, a repetition
     # penalty): online RL trains the log-probabilities of the distribution it sampled from.
-    settings = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops, pad_token_id=pad, use_cache=True
-    )
-    processors = LogitsProcessorList([_InverseTransform(sampling, width)] if sampling is not None else [])
+    stops = stop_tokens(model, tokenizer)
     # DDP's wrapper has no `generate`; its module computes alike without gradients (nothing to synchronize).
     generator = model.module if isinstance(model, DistributedDataParallel) else model
-    cache = _shared_prompts_cache(generator, input_ids, mask, group)
-    output = generator.generate(
-        input_ids=input_ids, attention_mask=mask, generation_config=settings, logits_processor=processors,
-        synced_gpus=lock_step and accelerator.num_processes > 1, **({"past_key_values": cache} if cache else {}),
-    )  # fmt: skip
+    synced = lock_step and accelerator.num_processes > 1
+    if decodes_itself(generator) and not reference:
+        rows = _decoded(generator, input_ids, mask, stops, max_new_tokens, sampling, synced, group)
+    else:
+        processors = LogitsProcessorList([_InverseTransform(sampling, width)] if sampling is not None else [])
+        settings = GenerationConfig(
+            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops, pad_token_id=pad, use_cache=True
+        )
+        cache = _shared_prompts_cache(generator, input_ids, mask, group)
+        output = generator.generate(
+            input_ids=input_ids, attention_mask=mask, generation_config=settings, logits_processor=processors,
+            synced_gpus=synced, **({"past_key_values": cache} if cache else {}),
+        )  # fmt: skip
+        rows = output[:, width:].tolist()
     completions = []
-    for row in output[:, width:].tolist():
+    for row in rows:
         end = next((n + 1 for n, token in enumerate(row) if token in stops), len(row))
         completions.append(row[:end])
     return completions
+
+
+def decodes_itself(model: torch.nn.Module) -> bool:
+    """Whether `complete` decodes `model` with its own loop (a KV cache of transformers' default kind, and a
+    forward that computes only the logits asked for); else with transformers' `generate`."""
+    supported = getattr(model, "_supports_default_dynamic_cache", None)
+    return callable(supported) and supported() and "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def _decoded(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    stops: list[int],
+    max_new_tokens: int,
+    sampling: Sampling | None,
+    synced: bool,
+    group: int,
+) -> list[list[int]]:
+    """Each left-padded row's new tokens, decoded as `generate` decodes them (the same logits, the same picks)
+    without its per-token machinery, and with the rows that have ended leaving the batch and the cache: later
+    steps compute only the rows still writing. `synced` (FSDP gathering per layer at every forward): the processes
+    run the same number of forwards, a process whose rows have all ended decoding one of them, unrecorded."""
+    rows = input_ids.shape[0]
+    device = input_ids.device
+    cache = _shared_prompts_cache(model, input_ids, mask, group) or DynamicCache(config=model.config)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    seen = cache.get_seq_length()  # the prompts' shared part, already in the cache
+    step_ids, step_positions, attention = input_ids[:, seen:], positions[:, seen:], mask
+    live = torch.arange(rows)  # the batch's rows, by their number
+    writing = torch.ones(rows, dtype=torch.bool)  # by number: not ended yet
+    stop_ids = torch.tensor(stops, device=device)
+    top_p = TopPLogitsWarper(sampling.top_p) if sampling is not None and sampling.top_p < 1 else None
+    out: list[list[int]] = [[] for _ in range(rows)]
+    for t in range(max_new_tokens):
+        logits = model(
+            input_ids=step_ids, attention_mask=attention, position_ids=step_positions, past_key_values=cache,
+            use_cache=True, logits_to_keep=1,
+        ).logits[:, -1, :]  # fmt: skip
+        if sampling is None:
+            token = logits.float().argmax(dim=-1, keepdim=True)
+        else:
+            token = _drawn(logits, sampling.noise[live, t : t + 1], sampling, top_p)
+        ended = torch.isin(token[:, 0], stop_ids).cpu()
+        for row, value in zip(live.tolist(), token[:, 0].tolist(), strict=True):
+            if writing[row]:
+                out[row].append(value)
+        writing[live[ended]] = False
+        keep = writing[live]
+        remaining = int(keep.sum())
+        if synced:
+            others = torch.tensor([remaining], device=device)
+            torch.distributed.all_reduce(others)
+            if int(others) == 0:
+                break
+            if remaining == 0:
+                keep[0] = True  # decoded for the others' sake only
+        elif remaining == 0:
+            break
+        if t + 1 == max_new_tokens:
+            break
+        if not keep.all():
+            kept = keep.nonzero().squeeze(1)
+            cache.batch_select_indices(kept.to(device))
+            live, token, attention = live[kept], token[kept.to(device)], attention[kept.to(device)]
+            step_positions = step_positions[kept.to(device)]
+        step_ids = token
+        step_positions = step_positions[:, -1:] + 1
+        attention = torch.cat([attention, attention.new_ones(attention.shape[0], 1)], dim=1)
+    return out
 
 
 def _shared_prompts_cache(

@@ -663,3 +663,31 @@ def test_dynamic_sampling_is_refused_without_room_and_warns_when_it_runs_out_of_
         load_recipe(GRPO_RECIPE, ["rl.dynamic_sampling_rounds=-1"])
     (line,) = _warnings(completions=64, truncated=0, groups=8, no_signal=2, unfilled=3)
     assert line.startswith("dynamic sampling trained 3 groups without a reward spread since the last log")
+
+
+def test_the_decoding_loop_writes_what_generate_writes_with_ended_rows_leaving(demo_assets):
+    """`complete`'s own loop (rows that end leave the batch and the cache) against transformers' `generate` (the
+    reference, which decodes every row to the end): the same tokens, greedy and sampled, grouped or not."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.generation import Sampling, complete, decodes_itself, generating, row_noise
+
+    model = AutoModelForCausalLM.from_pretrained(demo_assets / "base", dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(demo_assets / "base")
+    accelerator = types.SimpleNamespace(device=torch.device("cpu"), num_processes=1)
+    prompts = [tokenizer(f"<|user|>reverse: {' '.join('1234567'[:n])}<|end|><|assistant|>")["input_ids"] for n in
+               range(1, 7)]  # fmt: skip
+    repeated = [p for p in prompts for _ in range(4)]
+    sampling = Sampling(1.0, 0.9, row_noise([(5, 1, n // 4, n % 4) for n in range(len(repeated))], 24))
+    with torch.no_grad(), generating(model):
+        written = complete(model, repeated, tokenizer, accelerator, 24, sampling, group=4, reference=True)
+        # Stop tokens the untrained model writes often, so that rows end at many different steps.
+        common = collections.Counter(t for row in written for t in row).most_common(6)
+        model.generation_config.eos_token_id = [token for token, _ in common[1:6]]
+        assert decodes_itself(model)
+        for group, sampled in [(4, sampling), (1, sampling), (1, None)]:
+            ours = complete(model, repeated, tokenizer, accelerator, 24, sampled, group=group)
+            theirs = complete(model, repeated, tokenizer, accelerator, 24, sampled, group=group, reference=True)
+            assert ours == theirs, (group, sampled is None)
+            lengths = {len(c) for c in ours}
+            assert sampled is None or len(lengths) > 3 and min(lengths) < 24  # rows ended at many steps

@@ -27,21 +27,24 @@ def measure(bench: Bench) -> dict:
     initialised model rarely stops before the length limit: both generate about the same tokens. finetune under
     DDP (TRL's engine) and FSDP2. Two prompt shapes: the demo's bare lists (about 10 tokens, shorter than any real
     RL prompt) and the same lists after an instruction (about 150 tokens, as a math prompt's question and
-    instructions in a chat template); quick runs the second only."""
+    instructions in a chat template); and at the lengths RL runs (the instructed prompts with up to 256 and 512 new
+    tokens), where both sides also run with gradient checkpointing (TRL's default) and TRL's faster setting is the
+    one compared with. Quick runs the instructed shape at 8 tokens only."""
     size = bench.train_size
     model = bench.model(size)
     bare = bench.work / "demo" / "data" / "prompts_train.jsonl"
-    shapes = {"bare": bare, "instructed": _instructed(bare, bench.work / "grpo_prompts_instructed.jsonl")}
+    instructed = _instructed(bare, bench.work / "grpo_prompts_instructed.jsonl")
+    # name: (prompts, prompts per process, generations, new tokens, steps, checkpointing compared)
+    shapes = {
+        "bare": (bare, 4, 8, 32, 8, False), "instructed": (instructed, 4, 8, 32, 8, False),
+        "instructed-256": (instructed, 2, 8, 256, 4, True), "instructed-512": (instructed, 2, 8, 512, 4, True),
+    }  # fmt: skip
     if bench.quick:
-        del shapes["bare"]
-    prompts, generations, new_tokens, steps = (2, 4, 8, 3) if bench.quick else (4, 8, 32, 8)
-    results = {
-        shape: _compare(bench, model, path, f"{shape}-", prompts, generations, new_tokens, steps)
-        for shape, path in shapes.items()
-    }
+        shapes = {"instructed": (instructed, 2, 4, 8, 3, False)}
+    results = {shape: _compare(bench, model, f"{shape}-", *settings) for shape, settings in shapes.items()}
+    generations, new_tokens = shapes["instructed"][2], shapes["instructed"][3]
     return {
-        "size": size.name, "prompts_per_step": 2 * prompts, "generations": generations, "new_tokens": new_tokens,
-        "shapes": results, "targets": {"prompts_per_second": 1.5, "peak_rss": 1.0},
+        "size": size.name, "shapes": results, "targets": {"prompts_per_second": 1.5, "peak_rss": 1.0},
         "layouts": _row_layouts(model, generations, new_tokens, bench.repeats), "trl_version": _version("trl"),
     }  # fmt: skip
 
@@ -57,37 +60,52 @@ def _instructed(bare: Path, path: Path) -> Path:
 
 
 def _compare(
-    bench: Bench, model: Path, prompts_file: Path, tag: str, prompts: int, generations: int, new_tokens: int,
-    steps: int,
+    bench: Bench, model: Path, tag: str, prompts_file: Path, prompts: int, generations: int, new_tokens: int,
+    steps: int, checkpointing: bool,
 ) -> dict:  # fmt: skip
-    """The contenders' medians over `bench.repeats` interleaved repetitions on one prompt file, and their ratios."""
+    """The contenders' medians over `bench.repeats` interleaved repetitions on one prompt file, and their ratios to
+    TRL's (with `checkpointing`, its faster of gradient checkpointing on and off, and finetune's with it too)."""
     settings = {
         "data.train_path": prompts_file, "data.max_length": 256 + new_tokens, "data.packing": "false",
         "data.format": "auto", "rl.num_generations": generations, "rl.max_new_tokens": new_tokens,
         "rl.temperature": 1.0, "rl.loss": "dapo", "rl.beta": 0.0, "train.micro_batch_size": prompts,
         "train.max_steps": steps,
     }  # fmt: skip
-    contenders = {"finetune_ddp": "ddp.yaml", "finetune_fsdp2": "fsdp2_full_shard.yaml"}
-    runs: dict[str, list[dict]] = {name: [] for name in [*contenders, "trl"]}
+    contenders = {"finetune_ddp": ("ddp.yaml", False), "finetune_fsdp2": ("fsdp2_full_shard.yaml", False)}
+    peers = {"trl": False}
+    if checkpointing:
+        contenders = {
+            "finetune_fsdp2": ("fsdp2_full_shard.yaml", False), "finetune_fsdp2_ac": ("fsdp2_full_shard.yaml", True),
+        }  # fmt: skip
+        peers = {"trl_no_gc": False, "trl_gc": True}
+    runs: dict[str, list[dict]] = {name: [] for name in [*contenders, *peers]}
     (bench.work / "runs").mkdir(parents=True, exist_ok=True)
     for repeat in range(bench.repeats):
-        for name, config in contenders.items():
+        for name, (config, recompute) in contenders.items():
             run = f"grpo-{tag}{name}-{repeat}"
-            command, out = bench.finetune_command(run, bench.train_size, config, recipe=GRPO_RECIPE, **settings)
+            command, out = bench.finetune_command(
+                run, bench.train_size, config, recipe=GRPO_RECIPE, **settings,
+                **{"train.activation_checkpointing": "full" if recompute else "none"},
+            )  # fmt: skip
             _, peak = _timed_peak_rss(command, stdout=bench.work / "runs" / f"{run}.log")
             entries = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             seconds = [e["step_seconds"] for e in entries if "loss" in e]
             lengths = [e["completions/mean_length"] for e in entries if "loss" in e]
             runs[name].append(_measured(2 * prompts / _steady_median(seconds), peak, sum(lengths) / len(lengths)))
-        result = bench.work / "runs" / f"trl-grpo-{tag}{repeat}.json"
-        _, peak = _timed_peak_rss([
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-            str(_free_port()), str(REPO / "bench" / "trl_grpo.py"), str(model), str(prompts_file), str(steps),
-            str(prompts), str(generations), str(new_tokens), str(result),
-        ])  # fmt: skip
-        trl = json.loads(result.read_text())
-        runs["trl"].append(_measured(2 * prompts / _steady_median(trl["step_seconds"]), peak, float("nan")))
+        for name, gradient_checkpointing in peers.items():
+            result = bench.work / "runs" / f"trl-grpo-{tag}{name}-{repeat}.json"
+            _, peak = _timed_peak_rss([
+                sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(_free_port()), str(REPO / "bench" / "trl_grpo.py"), str(model), str(prompts_file), str(steps),
+                str(prompts), str(generations), str(new_tokens), str(result), str(int(gradient_checkpointing)),
+            ])  # fmt: skip
+            trl = json.loads(result.read_text())
+            rate = 2 * prompts / _steady_median(trl["step_seconds"])
+            runs[name].append(_measured(rate, peak, trl.get("completion_tokens", float("nan"))))
     median = _medians(runs)
+    if checkpointing:  # TRL at its best: its faster setting, with that setting's memory
+        best = max(peers, key=lambda name: median[name]["prompts_per_second"])
+        median["trl"] = {**median[best], "setting": best}
     ratios = {
         name: {
             "prompts_per_second": median[name]["prompts_per_second"] / median["trl"]["prompts_per_second"],
@@ -95,7 +113,10 @@ def _compare(
         }
         for name in contenders
     }
-    return {"prompt_tokens": _prompt_tokens(model, prompts_file), "runs": runs, "median": median, "ratios": ratios}
+    return {
+        "prompt_tokens": _prompt_tokens(model, prompts_file), "prompts_per_step": 2 * prompts,
+        "generations": generations, "new_tokens": new_tokens, "runs": runs, "median": median, "ratios": ratios,
+    }  # fmt: skip
 
 
 def _prompt_tokens(model: Path, prompts_file: Path) -> float:
@@ -145,7 +166,10 @@ def _row_layouts(model_dir, generations: int, new_tokens: int, repeats: int) -> 
                 began = time.perf_counter()
                 token_logps(model, with_host_indices(dict(rows)), "chunked").sum().backward()
                 seconds[name].append(time.perf_counter() - began)
-        results.append({"prompt_tokens": prompt_tokens, **{n: statistics.median(s[1:]) for n, s in seconds.items()}})
+        medians = {n: statistics.median(s[1:]) for n, s in seconds.items()}
+        results.append(
+            {"prompt_tokens": prompt_tokens, "generations": generations, "new_tokens": new_tokens, **medians}
+        )
     torch.set_num_threads(threads)
     return results
 
@@ -157,11 +181,21 @@ def _measured(rate: float, peak: int, mean_length: float) -> dict:
 def rows(grpo: dict) -> list[str]:
     rows = []
     targets = grpo["targets"]
+    engines = {
+        "finetune_ddp": "DDP both", "finetune_fsdp2": "FSDP2 vs DDP",
+        "finetune_fsdp2_ac": "FSDP2 with activation checkpointing vs DDP",
+    }  # fmt: skip
     for result in grpo["shapes"].values():
         median = result["median"]
-        setup = (f"{grpo['size']}, {grpo['prompts_per_step']} prompts of {result['prompt_tokens']:.0f} tokens x "
-                 f"{grpo['generations']} completions of up to {grpo['new_tokens']} tokens a step")  # fmt: skip
-        for name, engine in (("finetune_ddp", "DDP both"), ("finetune_fsdp2", "FSDP2 vs DDP")):
+        trl = median["trl"].get("setting", "trl").replace("trl_no_gc", "TRL without").replace("trl_gc", "TRL with")
+        setup = (f"{grpo['size']}, {result['prompts_per_step']} prompts of {result['prompt_tokens']:.0f} tokens x "
+                 f"{result['generations']} completions of up to {result['new_tokens']} tokens a step, completions "
+                 f"{median[next(iter(result['ratios']))]['completion_tokens']:.0f} vs "
+                 f"{median['trl']['completion_tokens']:.0f} tokens")  # fmt: skip
+        if trl != "trl":
+            setup += f"; {trl} gradient checkpointing, its faster"
+        for name in result["ratios"]:
+            engine = engines[name]
             ours, theirs, ratios = median[name], median["trl"], result["ratios"][name]
             rows += [
                 _row(
@@ -178,7 +212,7 @@ def rows(grpo: dict) -> list[str]:
     for case in grpo.get("layouts", []):
         rows.append(_row(
             f"GRPO training rows, one forward and backward of 4 prompts of {case['prompt_tokens']} tokens x "
-            f"{grpo['generations']} completions of {grpo['new_tokens']} (shared prompt rows vs a row per completion)",
+            f"{case['generations']} completions of {case['new_tokens']} (shared prompt rows vs a row per completion)",
             f"{case['shared']:.3f} s", f"{case['separate']:.3f} s", f"{case['separate'] / case['shared']:.2f}x",
         ))  # fmt: skip
     return rows
