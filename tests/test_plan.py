@@ -153,8 +153,6 @@ def test_online_rl_plans_its_generation_phase():
     assert f"generation (rl: {rows} completions a step): KV cache" in report
     assert "the whole model gathered once per rollout" in report
     assert "parameters gathered per layer at every token" in plan(recipe, launch, 40 * 2**30)
-    longer = load_recipe(
-        REPO / "recipes" / "qwen" / "qwen3-8b-grpo-math.yaml", ["train.global_batch_size=1024"]
-    )
+    longer = load_recipe(REPO / "recipes" / "qwen" / "qwen3-8b-grpo-math.yaml", ["train.global_batch_size=1024"])
     crowded = estimate(shape, longer, launch, launch.strategy)  # a rollout of 1,024 completions outweighs a step
     assert crowded.device_peak("full") == crowded.generation.total(crowded) > crowded.device_total("full")
