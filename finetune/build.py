@@ -72,7 +72,8 @@ from finetune.objectives import (
 )
 from finetune.optim import build_optimizer, build_scheduler
 from finetune.outputs import check_output_dir
-from finetune.recompute import Policy, offload_layer_inputs, recompute_policy
+from finetune.plan import recompute_policy
+from finetune.recompute import Policy, offload_layer_inputs
 from finetune.routing import check_experts_recipe, set_up_routing
 from finetune.weights import StateIO, Weights, weights_for
 from finetune.wrap import validate_wrap_policy

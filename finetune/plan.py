@@ -35,6 +35,7 @@ import torch
 from transformers import PreTrainedModel
 
 from finetune.config import RecipeConfig
+from finetune.distributed import running_launch
 from finetune.errors import FinetuneError
 from finetune.family import Experts, experts_of, is_routed_expert
 from finetune.launch import STRATEGIES, Launch, recipe_launch_problems
@@ -46,12 +47,14 @@ from finetune.model import (
     load_model_config,
     meta_model,
 )
+from finetune.recompute import Policy
 from finetune.sequence import model_problems
+from finetune.wrap import wrap_classes
 
 if TYPE_CHECKING:
+    from accelerate import Accelerator
+
     from finetune.loss import LossPath
-    from finetune.recompute import Policy
-from finetune.wrap import wrap_classes
 
 _MIXED = {"bf16": 2, "fp16": 2}
 _NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # per weight: 4 bits, an 8-bit scale per block of 64, fp32 per 256 blocks
@@ -525,6 +528,34 @@ def cheapest_policy(chosen: Estimate, gpu_memory: int | None) -> Policy:
         return "none"
     policies: tuple[Policy, ...] = ("none", "selective", "full")
     return next((policy for policy in policies if chosen.device_peak(policy) <= gpu_memory), "full")
+
+
+_RECOMPUTED = {
+    "none": "every activation kept, nothing recomputed",
+    "full": "each decoder layer keeps its input and recomputes its forward in backward",
+    "selective": "decoder layers keep matmul and attention outputs and recompute the rest",
+}
+
+
+def recompute_policy(recipe: RecipeConfig, accelerator: Accelerator) -> tuple[Policy, str | None]:
+    """The recipe's activation-checkpointing policy, `auto` resolved by the plan's estimate against this
+    device's memory (`cheapest_policy`), and its log line (None for none, asked for)."""
+    requested = recipe.train.recompute
+    if requested != "auto":
+        line = f"activation checkpointing: {requested} ({_RECOMPUTED[requested]})" if requested != "none" else None
+        if recipe.train.activation_offload:
+            line = f"{line}; layer inputs kept in host memory until their backward (train.activation_offload)"
+        return requested, line
+    cuda = accelerator.device.type == "cuda"
+    memory = torch.cuda.get_device_properties(accelerator.device).total_memory if cuda else None
+    launch = running_launch(accelerator)
+    policy = cheapest_policy(estimate(model_shape(planned_model(recipe)), recipe, launch, launch.strategy), memory)
+    reason = (
+        f"the first that the plan fits in {memory / 2**30:.1f} GiB"
+        if memory
+        else f"{accelerator.device.type}: no device memory to fit"
+    )
+    return policy, f"activation checkpointing: auto, so {policy} ({reason}; {_RECOMPUTED[policy]})"
 
 
 def check(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:

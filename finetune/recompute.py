@@ -1,4 +1,5 @@
-"""Activation checkpointing policies: which activations a decoder layer keeps for backward.
+"""Activation checkpointing policies: which activations a decoder layer keeps for backward (the choice of one
+for `auto` is the planner's: `finetune.plan.recompute_policy`).
 
 - `none`: every activation is kept (fastest, most memory).
 - `full`: each layer keeps only its input and recomputes its whole forward in backward.
@@ -17,16 +18,11 @@ which replays the random state, so a model trained with dropout recomputes the s
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from transformers.modeling_layers import GradientCheckpointingLayer
-
-if TYPE_CHECKING:
-    from accelerate import Accelerator
-
-    from finetune.config import RecipeConfig
 
 Policy = Literal["none", "full", "selective"]
 
@@ -86,35 +82,3 @@ def _to_host(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
 def _to_device(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
     device, host = packed
     return host.to(device, non_blocking=True)
-
-
-_RECOMPUTED = {
-    "none": "every activation kept, nothing recomputed",
-    "full": "each decoder layer keeps its input and recomputes its forward in backward",
-    "selective": "decoder layers keep matmul and attention outputs and recompute the rest",
-}
-
-
-def recompute_policy(recipe: RecipeConfig, accelerator: Accelerator) -> tuple[Policy, str | None]:
-    """The recipe's activation-checkpointing policy, `auto` resolved by the plan's estimate against this
-    device's memory (`finetune.plan.cheapest_policy`), and its log line (None for none, asked for)."""
-    requested = recipe.train.recompute
-    if requested != "auto":
-        line = f"activation checkpointing: {requested} ({_RECOMPUTED[requested]})" if requested != "none" else None
-        if recipe.train.activation_offload:
-            line = f"{line}; layer inputs kept in host memory until their backward (train.activation_offload)"
-        return requested, line
-    # Imported here: the planner imports the model module, which imports this one.
-    from finetune.distributed import running_launch
-    from finetune.plan import cheapest_policy, estimate, model_shape, planned_model
-
-    cuda = accelerator.device.type == "cuda"
-    memory = torch.cuda.get_device_properties(accelerator.device).total_memory if cuda else None
-    launch = running_launch(accelerator)
-    policy = cheapest_policy(estimate(model_shape(planned_model(recipe)), recipe, launch, launch.strategy), memory)
-    reason = (
-        f"the first that the plan fits in {memory / 2**30:.1f} GiB"
-        if memory
-        else f"{accelerator.device.type}: no device memory to fit"
-    )
-    return policy, f"activation checkpointing: auto, so {policy} ({reason}; {_RECOMPUTED[policy]})"
