@@ -255,11 +255,11 @@ test-gpu: ## the CUDA tests, on a GPU machine (skipped with the reason elsewhere
 gpu-wheels: $(STAMP) ## download the wheels a GPU machine lacks into .whl/ (run here, on a machine with pip access)
 	$(PY) bench/gpu_check.py --download-wheels .whl
 
-# On a GPU machine, in one command: make gpu-check VENV= PYTHON=python3 BUDGET=480 [OUT=folder]. Elsewhere the
-# same steps run in their CPU form (a dry run). Everything lands in one folder of at most 8 files.
+# On a GPU machine, in one command: make gpu-check VENV= PYTHON=python3 BUDGET=480 [OUT=folder] [STEPS=bench,...].
+# Elsewhere the same steps run in their CPU form (a dry run). Everything lands in one folder of at most 8 files.
 gpu-check: $(STAMP) ## the GPU check within BUDGET seconds: environment, test-gpu, the demo, bench-gpu, one profile
 	$(OFFLINE) $(PY) bench/gpu_check.py --budget $(or $(BUDGET),480) --out $(or $(OUT),outputs/gpu-check) \
-		$(if $(wildcard .whl/*.whl),--wheels .whl)
+		$(if $(wildcard .whl/*.whl),--wheels .whl) $(if $(STEPS),--only $(STEPS))
 
 lint: $(STAMP) ## ruff check and format check
 	$(RUFF) check finetune tests bench

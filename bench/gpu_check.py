@@ -1,31 +1,35 @@
 """`make gpu-check`: the prepared GPU run of finetune, in one command, inside a time budget.
 
-    python bench/gpu_check.py --budget 480 --out outputs/gpu-check [--wheels .whl]
+    python bench/gpu_check.py --budget 480 --out outputs/gpu-check [--wheels .whl] [--only bench,long-context]
     python bench/gpu_check.py --download-wheels .whl     # before, on a machine that reaches PyPI
 
 A GPU machine is lent for minutes, its start and idle time included (shared/GPU.md), so what it should run
 is one command, prepared and dry-run elsewhere, that stops itself inside its budget. In order, each step
-capped and skipped with a line once too little of the budget is left for it:
+capped (`STEPS`), each started only with at least its least worth starting, after what the selected steps
+after it need to start is set aside (so no step starves the ones after it), and skipped with a line otherwise:
 
-1. environment: the wheels in --wheels (what the machine's own Python lacks: datasets, bitsandbytes, the
-   transformers and peft versions finetune is tested with) installed into a temporary path put first on
+1. environment (always): the wheels in --wheels (what the machine's own Python lacks: datasets, bitsandbytes,
+   the transformers and peft versions finetune is tested with) installed into a temporary path put first on
    PYTHONPATH, then one line: GPU, torch, CUDA and the packages' versions;
-2. test-gpu: the tests marked `cuda` (`make test-gpu`);
+2. test-gpu: the `cuda`-marked tests that run in-process (kernels, synchronizations, memory), at most 60 s;
 3. demo: the offline demo trained on one GPU (single_gpu.yaml, 1 process), its wall time and exact match;
    grpo: the demo's second stage by online RL (make demo-grpo) on one GPU: its wall time, generation
    tokens/s, step seconds, and the exact match before and after;
 4. bench: bench/gpu.py's best-known variant (chunked loss, varlen attention), with and without regional
-   compilation, at micro-batch 8 and 16: tokens/s, MFU, fill and peak memory; each launch records one late
-   step with the torch profiler (left out of its rates), which costs no launch of its own;
+   compilation, at micro-batch 16: tokens/s, MFU, fill and peak memory, at most 150 s; each launch records one
+   late step with the torch profiler (left out of its rates), which costs no launch of its own;
 5. profile: the operator table of the fastest of those;
 6. long-context: the longest row Llama-3.2-1B (full) and Llama-3.1-8B (LoRA) train on the GPU, without and with
-   train.activation_offload, and their tokens/s (bench/long_context_gpu.py), when the budget has room left.
+   train.activation_offload, and their tokens/s (bench/long_context_gpu.py), at most 150 s;
+7. test-launches: the `cuda`-marked tests that launch the tiny recipe (about 20 s a launch).
+
+`--only` (make gpu-check STEPS=...) runs the named steps alone: what a first command missed.
 
 Without a GPU each step runs its CPU form ("no GPU: dry run"): the CUDA tests collected, not run; the demo
 for a few steps; bench/gpu.py --quick. The tests run that, so a broken check shows in CI, not on the GPU.
 
 Everything lands in --out, at most 8 files (what the device tool brings back): summary.md and summary.json,
-a log per step that has one (test-gpu.log, demo.log, bench.log), bench/gpu.py's results
+a log per kind of step (test-gpu.log for both test steps, demo.log, bench.log), bench/gpu.py's results
 (<date>-<commit>-gpu.json and .md) and the profile's operator table. Exit status 1 if a step failed.
 """
 
@@ -55,7 +59,7 @@ WHEELS = ["transformers", "peft", "datasets", "dill", "multiprocess", "fsspec", 
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 VERSIONS = ["torch", "accelerate", "transformers", "peft", "datasets", "bitsandbytes", "safetensors", "tokenizers"]
 BEST_VARIANTS = ["chunked loss, varlen attention", "chunked loss, varlen attention, regional compile"]
-MICRO_BATCHES = ["8", "16"]
+MICRO_BATCHES = ["16"]  # the best of 8 and 16 on an H200 (2026-11-28): two launches fit the step's 150 s
 PYTEST_CLOSING = re.compile(r"\d+ (passed|failed|skipped|errors?|deselected)|tests? collected")
 
 
@@ -78,6 +82,7 @@ class Check:
     work: Path
     gpu: bool
     env: dict[str, str]
+    wheels: str | None = None
     started: float = field(default_factory=time.monotonic)
 
     def left(self) -> float:
@@ -114,6 +119,12 @@ def main() -> None:
     parser.add_argument("--wheels", help="a folder of wheels to install into a temporary path first")
     parser.add_argument("--download-wheels", metavar="FOLDER", help="download the GPU machine's wheels, then stop")
     parser.add_argument("--print-environment", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--only",
+        type=_step_names,
+        help="comma-separated steps to run (the environment always runs), e.g. bench,long-context: what a first "
+        f"command missed. Steps: {', '.join(step.name for step in STEPS)}",
+    )
     args = parser.parse_args()
     if args.download_wheels:
         download_wheels(Path(args.download_wheels))
@@ -129,29 +140,21 @@ def main() -> None:
         shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **OFFLINE, "PYTHONUNBUFFERED": "1"}
-    check = Check(args.budget, out, work, torch.cuda.is_available(), env)
+    check = Check(args.budget, out, work, torch.cuda.is_available(), env, args.wheels)
     print("gpu-check: " + (f"{torch.cuda.get_device_name(0)}" if check.gpu else "no GPU: dry run"), flush=True)
+    selected = [step for step in STEPS if step.always or not args.only or step.name in args.only]
     steps: list[Step] = []
-    plan: list[tuple[str, float, float, Callable[[Check, Step, float], None]]] = [
-        # name, cap (seconds), least worth starting with, the step
-        ("environment", 90, 5, lambda c, s, cap: environment(c, s, cap, args.wheels)),
-        ("test-gpu", 150, 30, tests),
-        ("demo", 120, 30, demo),
-        ("grpo", 120, 45, grpo),
-        ("bench", 300, 60, bench),
-        ("profile", 10, 1, profile),
-        ("long-context", 240, 90, long_context),
-    ]
-    for name, cap, least, body in plan:
-        step = Step(name)
-        left = check.left()
-        if left < max(least, 1):
+    for index, planned in enumerate(selected):
+        step = Step(planned.name)
+        # What the steps after this one need to start is kept from it: no step starves the ones after it.
+        room = check.left() - (0 if planned.always else sum(later.least for later in selected[index + 1 :]))
+        if room < planned.least:
             step.status = "skipped"
-            step.lines.append(f"skipped: {max(left, 0):.0f} s of the budget left, the step needs {max(least, 1):.0f}")
+            step.lines.append(f"skipped: {max(room, 0):.0f} s of the budget left, the step needs {planned.least:.0f}")
         else:
             start = time.monotonic()
             try:
-                body(check, step, min(cap, left))
+                planned.body(check, step, min(planned.cap, room))
             except Exception as error:  # a broken step is reported, and the next ones still run
                 step.status = "failed"
                 step.lines.append(f"{type(error).__name__}: {error}")
@@ -162,11 +165,11 @@ def main() -> None:
     sys.exit(1 if any(step.status in ("failed", "timed out") for step in steps) else 0)
 
 
-def environment(check: Check, step: Step, cap: float, wheels: str | None) -> None:
+def environment(check: Check, step: Step, cap: float) -> None:
     """Install the carried wheels into a fresh temporary path ahead of the machine's own packages."""
     paths = [str(REPO)]
-    if wheels:
-        files = sorted(str(p) for p in Path(wheels).glob("*.whl"))
+    if check.wheels:
+        files = sorted(str(p) for p in Path(check.wheels).glob("*.whl"))
         site = tempfile.mkdtemp(prefix="finetune-wheels-")
         install = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
         returncode, output = check.run([*install, "--target", site, *files], "summary.log", cap)
@@ -200,9 +203,21 @@ def environment_line() -> str:
 
 
 def tests(check: Check, step: Step, cap: float) -> None:
-    """The `cuda`-marked tests (make test-gpu); without a GPU, collected only."""
-    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-rfEs", "-q", "-p", "no:cacheprovider"]
-    returncode, output = check.run(command + ([] if check.gpu else ["--collect-only"]), "test-gpu.log", cap)
+    """The `cuda`-marked tests that run in this process (kernels, synchronizations, memory); without a GPU,
+    collected only. The launched ones are a step of their own (`test-launches`), late: each costs a launch."""
+    _pytest(check, step, cap, "cuda and not multiprocess")
+
+
+def test_launches(check: Check, step: Step, cap: float) -> None:
+    """The `cuda`-marked tests that launch the tiny recipe as users do (bf16 over NCCL, async checkpoints and
+    their resume, pinned-memory offload, QLoRA): about 20 s a launch."""
+    _pytest(check, step, cap, "cuda and multiprocess")
+
+
+def _pytest(check: Check, step: Step, cap: float, marks: str) -> None:
+    command = [sys.executable, "-m", "pytest", "-m", marks, "-rfEs", "-q", "-p", "no:cacheprovider"]
+    command += ["--durations", "5"] if check.gpu else ["--collect-only"]  # the slowest, for the next split
+    returncode, output = check.run(command, "test-gpu.log", cap)
     closing = [line for line in output.splitlines() if PYTEST_CLOSING.search(line)]
     step.lines.append(closing[-1].strip("= ") if closing else "no pytest summary line")
     step.lines += [line for line in output.splitlines() if line.startswith(("FAILED", "ERROR"))][:10]
@@ -365,6 +380,38 @@ def long_context(check: Check, step: Step, cap: float) -> None:
         tried = ", ".join(f"{t['length']:,}{'' if t['fits'] else ' (out of memory)'}" for t in run["tried"])
         fit = f"{longest['length']:,} tokens at {longest['tokens_per_second']:.0f} tokens/s" if longest else "none"
         step.lines.append(f"{run['case']}{', offload' if run['offload'] else ''}: longest {fit} (tried {tried})")
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A step of the check: its cap in seconds, and the least worth starting it with (kept for it from the steps
+    before). The caps sum past a budget of 8 minutes on purpose: a step that ends early leaves its time on."""
+
+    name: str
+    cap: float
+    least: float
+    body: Callable[[Check, Step, float], None]
+    always: bool = False  # run whatever --only says and the budget holds: the others need what it sets up
+
+
+STEPS = [
+    Planned("environment", 60, 5, environment, always=True),
+    Planned("test-gpu", 60, 30, tests),
+    Planned("demo", 90, 40, demo),
+    Planned("grpo", 75, 45, grpo),
+    Planned("bench", 150, 60, bench),
+    Planned("profile", 5, 1, profile),
+    Planned("long-context", 150, 90, long_context),
+    Planned("test-launches", 120, 60, test_launches),
+]
+
+
+def _step_names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in {step.name for step in STEPS}]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"no step {unknown[0]!r}; the steps: {', '.join(s.name for s in STEPS)}")
+    return names
 
 
 def _bench_results(folder: Path) -> dict | None:

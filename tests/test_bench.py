@@ -109,10 +109,10 @@ def test_bench_gpu_runs_on_cpu_in_quick_mode(tmp_path):
     assert sum(name.endswith(".txt") and "-profile-chunked-loss" in name for name in results["_files"]) == 4
 
 
-def run_gpu_check(tmp_path, budget: int) -> tuple[subprocess.CompletedProcess, dict]:
+def run_gpu_check(tmp_path, budget: int, only: str | None = None) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "out"
     command = [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--budget", str(budget), "--out", str(out),
-               "--work", str(tmp_path / "work")]  # fmt: skip
+               "--work", str(tmp_path / "work"), *(["--only", only] if only else [])]  # fmt: skip
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     return result, json.loads((out / "summary.json").read_text())
 
@@ -124,23 +124,27 @@ def test_gpu_check_dry_runs_every_step_in_its_cpu_form(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "gpu-check: no GPU: dry run" in result.stdout and summary["mode"] == "no GPU: dry run"
     steps = {step["name"]: step for step in summary["steps"]}
-    assert list(steps) == ["environment", "test-gpu", "demo", "grpo", "bench", "profile", "long-context"]
+    assert list(steps) == [
+        "environment", "test-gpu", "demo", "grpo", "bench", "profile", "long-context", "test-launches"
+    ]  # fmt: skip
     assert all(step["status"] == "passed" for step in steps.values()), summary
     assert "torch " in steps["environment"]["lines"][-1] and "transformers " in steps["environment"]["lines"][-1]
-    assert "tests collected" in steps["test-gpu"]["lines"][0]
+    assert (
+        "tests collected" in steps["test-gpu"]["lines"][0] and "tests collected" in steps["test-launches"]["lines"][0]
+    )
     assert any("fine-tuned (exported)" in line and "/200" in line for line in steps["demo"]["lines"])
     # The GRPO demo's CPU form: a partly trained reverser, 2 GRPO steps, their rates and exact match from the logs.
     assert steps["grpo"]["lines"][0].startswith("training: ") and "generation " in steps["grpo"]["lines"][0]
     assert steps["grpo"]["lines"][2].startswith("exact match on the held-out lists: before ")
     assert [line.split(":")[0] for line in steps["bench"]["lines"]] == [
-        "chunked loss, varlen attention, micro-batch 8", "chunked loss, varlen attention, micro-batch 16"
-    ]  # fmt: skip
+        "chunked loss, varlen attention, micro-batch 16"
+    ]
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert len(files) <= 8 and {"summary.md", "summary.json", "test-gpu.log", "demo.log", "bench.log"} <= set(files)
     (table,) = [name for name in files if "-profile-" in name]
     assert "aten::mm" in (tmp_path / "out" / table).read_text()
     results = json.loads((tmp_path / "out" / (table.split("-profile-")[0] + ".json")).read_text())
-    assert [row["micro_batch"] for row in results["rows"]] == [8, 16]
+    assert [row["micro_batch"] for row in results["rows"]] == [16]
     # The long-context search in its CPU form: both models, without and with offload, each fitting 512 tokens.
     assert [line.split(": ")[0] for line in steps["long-context"]["lines"]] == [
         "llama-3.2-1b full", "llama-3.2-1b full, offload", "llama-3.1-8b lora", "llama-3.1-8b lora, offload"
@@ -149,12 +153,17 @@ def test_gpu_check_dry_runs_every_step_in_its_cpu_form(tmp_path):
     assert all(positive(row["fill"]) and row["fill"] <= 1 for row in results["rows"])
 
 
-def test_gpu_check_skips_what_its_budget_cannot_hold(tmp_path):
+def test_gpu_check_skips_what_its_budget_cannot_hold_and_runs_the_steps_it_is_given(tmp_path):
     result, summary = run_gpu_check(tmp_path, budget=12)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     statuses = {step["name"]: step["status"] for step in summary["steps"]}
     assert statuses == {**dict.fromkeys(statuses, "skipped"), "environment": "passed"}
     assert "skipped: " in summary["steps"][1]["lines"][0] and "the step needs 30" in summary["steps"][1]["lines"][0]
+    # A second command runs what the first missed; the budget is kept for the steps it names.
+    result, summary = run_gpu_check(tmp_path, budget=200, only="profile,test-gpu")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert [step["name"] for step in summary["steps"]] == ["environment", "test-gpu", "profile"]
+    assert summary["steps"][1]["status"] == "passed"
 
 
 def test_model_flops_per_token_follow_the_stated_formula():
