@@ -51,6 +51,7 @@ from finetune.model import (
     DTYPES,
     check_attention,
     check_max_length,
+    check_mlp_tiling,
     check_model_path,
     check_packing,
     check_tied_weights,
@@ -60,6 +61,7 @@ from finetune.model import (
     load_model_config,
     load_tokenizer,
     model_folder,
+    tile_model_mlps,
 )
 from finetune.model_files import save_model_files
 from finetune.objectives import (
@@ -129,6 +131,7 @@ def preflight(recipe: RecipeConfig) -> Path | None:
     check_sources(recipe.data)
     check_max_length(recipe.model, recipe.data.max_length)
     check_attention(recipe.model)
+    check_mlp_tiling(recipe.model, recipe.train.mlp_tile_tokens)
     check_packing(recipe.model, recipe.data.packing)
     builder, weights = objective_for(recipe), weights_for(recipe)
     if builder.reference_model:
@@ -222,6 +225,7 @@ def setup_model(
     model = load_model(
         recipe.model, policy, read_weights=not started_on_meta, quantization=weights.load_quantization(accelerator)
     )
+    tile_model_mlps(model, recipe.train.mlp_tile_tokens)
     if recipe.train.activation_offload:
         offload_layer_inputs(model)
     return weights.prepare(model, resume_from), started_on_meta

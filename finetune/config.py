@@ -290,6 +290,12 @@ class TrainConfig:
     it back for the layer's backward (`finetune.recompute.offload_layer_inputs`): the activations left on the GPU
     no longer grow with the layer count. Needs `activation_checkpointing` full or selective."""
 
+    mlp_tile_tokens: int | None = None
+    """Compute each decoder layer's MLP over tiles of this many tokens of the sequence, each recomputed in its
+    backward (`finetune.recompute.tile_mlps`, ALST's tiled MLP): the MLP's activations, the largest a layer makes
+    (4 x its intermediate width per token), exist for one tile at a time. For rows of tens of thousands of tokens
+    (`finetune plan` counts it); each MLP's forward runs once more. Unset: untiled. Not for mixtures of experts."""
+
     profile_steps: list[int] = field(default_factory=list)
     """[first, last]: record these optimizer steps (inclusive) with the torch profiler, a trace and a table per
     process under `<output.dir>/profile/` (`finetune.profile`); [] records nothing."""
@@ -347,7 +353,8 @@ class TrainConfig:
                 f"train.activation_offload keeps the inputs that activation checkpointing saves, and "
                 f"train.activation_checkpointing is {self.activation_checkpointing}; set it to full or selective"
             )
-        for name in ("micro_batch_size", "global_batch_size", "gradient_accumulation_steps", "log_every_steps"):
+        counts = ("micro_batch_size", "global_batch_size", "gradient_accumulation_steps", "log_every_steps")
+        for name in (*counts, "mlp_tile_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 errors.append(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.global_batch_size is not None and self.gradient_accumulation_steps is not None:

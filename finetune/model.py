@@ -26,7 +26,7 @@ from finetune import attention as varlen
 from finetune.config import ModelConfig
 from finetune.errors import FinetuneError, first_line
 from finetune.family import experts_of
-from finetune.recompute import Policy, checkpoint_kwargs
+from finetune.recompute import Policy, checkpoint_kwargs, tile_mlps
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DROPOUT_MODULES = (
@@ -90,6 +90,27 @@ _CLASS_SUPPORTS = {
     "flash_attention_2": "_supports_flash_attn",
     "flash_attention_3": "_supports_flash_attn",
 }
+
+
+def check_mlp_tiling(cfg: ModelConfig, tile_tokens: int | None) -> None:
+    """`train.mlp_tile_tokens` tiles a dense MLP: a mixture of experts' block routes each token, and its routers'
+    logits (the load-balancing loss) would come back per tile, so it is refused before anything loads."""
+    if tile_tokens and experts_of(load_model_config(cfg)) is not None:
+        raise FinetuneError(
+            f"train.mlp_tile_tokens={tile_tokens} tiles dense MLPs, and {cfg.name_or_path!r} routes its tokens to "
+            "experts; unset train.mlp_tile_tokens (sequence parallelism or activation offload shorten its rows' "
+            "footprint instead)"
+        )
+
+
+def tile_model_mlps(model: PreTrainedModel, tile_tokens: int | None) -> None:
+    """`train.mlp_tile_tokens` applied (`finetune.recompute.tile_mlps`); refused where no decoder layer has an
+    `mlp` module, rather than ignored."""
+    if tile_tokens and not tile_mlps(model, tile_tokens):
+        raise FinetuneError(
+            f"train.mlp_tile_tokens={tile_tokens}: no decoder layer of {model.config.model_type} has an `mlp` "
+            "module to tile; unset train.mlp_tile_tokens"
+        )
 
 
 def check_attention(cfg: ModelConfig) -> None:

@@ -42,6 +42,7 @@ from finetune.launch import STRATEGIES, Launch, recipe_launch_problems
 from finetune.model import (
     DTYPES,
     check_attention,
+    check_mlp_tiling,
     check_packing,
     check_quantized_base,
     load_model_config,
@@ -567,6 +568,7 @@ def check(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     """
     refuse_launch(recipe, launch)
     check_attention(recipe.model)
+    check_mlp_tiling(recipe.model, recipe.train.mlp_tile_tokens)
     check_packing(recipe.model, recipe.data.packing)
     check_quantized_base(recipe.model, adapters=recipe.peft is not None, export_merged=recipe.output.export_merged)
     model = planned_model(recipe)

@@ -13,6 +13,11 @@ which replays the random state, so a model trained with dropout recomputes the s
 
 `train.activation_offload` moves what a checkpointed layer keeps (its input) to host memory
 (`offload_layer_inputs`), so that the activations left on the device no longer grow with the layer count.
+
+`train.mlp_tile_tokens` computes each decoder layer's MLP over tiles of the sequence, each tile checkpointed
+(`tile_mlps`): the MLP's intermediate activations (gate, up, their product: several times the hidden width per
+token, the largest a layer makes) exist for one tile at a time, in forward and in backward, which is what bounds
+a layer's peak at long rows (ALST's sequence-tiled MLP, Arctic Long Sequence Training).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import functools
 from typing import Any, Literal
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 Policy = Literal["none", "full", "selective"]
@@ -82,3 +87,29 @@ def _to_host(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
 def _to_device(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
     device, host = packed
     return host.to(device, non_blocking=True)
+
+
+def tile_mlps(model: torch.nn.Module, tile_tokens: int) -> int:
+    """Compute the MLP of each of `model`'s decoder layers over tiles of `tile_tokens` tokens along the sequence,
+    each tile checkpointed (non-reentrant `torch.utils.checkpoint`: its forward again in backward, the random state
+    replayed). Returns how many layers. An MLP acts on each token alone, so tiles give the untiled outputs; and
+    autograd runs one tile's backward to its end before the next (the later tile's nodes come first), so one
+    tile's intermediates exist at a time. The parameters keep their names: the MLP's forward is wrapped in place,
+    as accelerate's hooks wrap a module's."""
+    layers = 0
+    for module in model.modules():
+        mlp = getattr(module, "mlp", None)
+        if isinstance(module, GradientCheckpointingLayer) and isinstance(mlp, torch.nn.Module):
+            mlp.forward = functools.partial(_tiled_forward, mlp, tile_tokens)
+            layers += 1
+    return layers
+
+
+def _tiled_forward(mlp: torch.nn.Module, tile_tokens: int, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    forward = functools.partial(type(mlp).forward, mlp)
+    tokens = hidden.reshape(-1, hidden.shape[-1])  # the rows' tokens in one run: each tile a contiguous view
+    if not torch.is_grad_enabled() or tokens.shape[0] <= tile_tokens:  # nothing kept for backward, or one tile
+        return forward(hidden, *args, **kwargs)
+    tiles = tokens.split(tile_tokens)
+    out = torch.cat([checkpoint(forward, tile, *args, use_reentrant=False, **kwargs) for tile in tiles])
+    return out.view(*hidden.shape[:-1], out.shape[-1])

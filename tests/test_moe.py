@@ -408,6 +408,7 @@ def test_all_linear_adapts_linear_layers_and_leaves_routers_and_experts_alone(mo
             "peft.quantization=nf4 quantizes linear layers only, and this qwen3_moe",
         ),
         ("dense", "train.router_aux_loss_coef=0.01", "the llama model is dense; remove train.router_aux_loss_coef"),
+        ("mixtral", "train.mlp_tile_tokens=64", "routes its tokens to experts; unset train.mlp_tile_tokens"),
     ],
 )
 def test_moe_settings_a_model_cannot_take_are_refused_before_loading(
