@@ -379,7 +379,10 @@ def long_context(check: Check, step: Step, cap: float) -> None:
         longest = run["longest"]
         tried = ", ".join(f"{t['length']:,}{'' if t['fits'] else ' (out of memory)'}" for t in run["tried"])
         fit = f"{longest['length']:,} tokens at {longest['tokens_per_second']:.0f} tokens/s" if longest else "none"
-        step.lines.append(f"{run['case']}{', offload' if run['offload'] else ''}: longest {fit} (tried {tried})")
+        step.lines.append(
+            f"{run['case']}{', offload' if run['offload'] else ''}: longest {fit} (tried {tried}); "
+            f"the plan's {run['planned']:,}"
+        )
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,16 @@
-"""The longest row one GPU trains, with and without activation offload, and its tokens/s: finetune's own pieces.
+"""The longest row one GPU trains, with and without activation offload, its tokens/s, and the plan's figure beside.
 
     python bench/long_context_gpu.py OUT.json [--quick] [--budget SECONDS]
 
 For Llama-3.2-1B (every weight) and Llama-3.1-8B (LoRA r=16 on every linear layer), built from the configs
 shipped with the recipes with random weights (nothing to download), as one GPU trains them (`single_gpu.yaml`):
 float32 master weights (the 8B base in bf16 under LoRA), bf16 autocast, full activation checkpointing, the varlen
-attention path, the chunked loss, AdamW. One row of N tokens (8 packed samples) per step; N doubles from 8,192
-until a step runs out of memory, then one bisection between the last two. Each length trains 2 steps and the
-second is timed. `--quick` runs a tiny Llama on CPU at 256 and 512 tokens (the tests' dry run); `--budget` stops
-searching when the seconds are spent (what was measured is kept).
+attention path, the chunked loss, the MLP in tiles of 8,192 tokens (`train.mlp_tile_tokens`), AdamW. One row of N
+tokens (8 packed samples) per step; N doubles from 8,192 until a step runs out of memory, then one bisection
+between the last two. Each length trains 2 steps and the second is timed. Beside each: `finetune plan`'s longest
+`data.max_length` for the same launch (the case's recipe at micro-batch 1 with the same settings, `single_gpu.yaml`,
+this GPU's memory), which the measurement checks. `--quick` runs a tiny Llama on CPU at 256 and 512 tokens (the
+tests' dry run); `--budget` stops searching when the seconds are spent (what was measured is kept).
 """
 
 from __future__ import annotations
@@ -27,12 +29,17 @@ sys.path.insert(0, str(REPO))
 from finetune import attention  # noqa: E402
 from finetune.config import PeftConfig  # noqa: E402
 from finetune.loss import batch_loss  # noqa: E402
-from finetune.recompute import checkpoint_kwargs, offload_layer_inputs  # noqa: E402
+from finetune.recompute import checkpoint_kwargs, offload_layer_inputs, tile_mlps  # noqa: E402
 
 CASES = {
     "llama-3.2-1b full": ("recipes/llama/configs/Llama-3.2-1B-Instruct/config.json", None),
     "llama-3.1-8b lora": ("recipes/llama/configs/Llama-3.1-8B-Instruct/config.json", PeftConfig(r=16, alpha=32)),
 }
+RECIPES = {
+    "llama-3.2-1b full": "recipes/llama/llama-3.2-1b.yaml",
+    "llama-3.1-8b lora": "recipes/llama/llama-3.1-8b-lora.yaml",
+}
+TILE = 8192
 
 
 def build(config_file: str | None, peft: PeftConfig | None, device: torch.device, quick: bool) -> torch.nn.Module:
@@ -99,6 +106,7 @@ def try_length(model: torch.nn.Module, optimizer: torch.optim.Optimizer, length:
 def search(case: str, offload: bool, device: torch.device, quick: bool, deadline: float) -> dict:
     config_file, peft = CASES[case]
     model = build(config_file, peft, device, quick)
+    tile_mlps(model, 128 if quick else TILE)
     if offload:
         offload_layer_inputs(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -121,7 +129,28 @@ def search(case: str, offload: bool, device: torch.device, quick: bool, deadline
         torch.cuda.empty_cache()
     fits = [t for t in tried if t["fits"]]
     longest = max(fits, key=lambda t: t["length"]) if fits else None
-    return {"case": case, "offload": offload, "tried": tried, "longest": longest}
+    return {
+        "case": case,
+        "offload": offload,
+        "tried": tried,
+        "longest": longest,
+        "planned": planned(case, offload, device),
+    }
+
+
+def planned(case: str, offload: bool, device: torch.device) -> int:
+    """`finetune plan`'s longest `data.max_length` for this case on this GPU (on CPU, for an 80 GB one)."""
+    from finetune.config import load_recipe
+    from finetune.launch import read_launch
+    from finetune.plan import longest_fitting_length, model_shape, planned_model
+
+    settings = ["train.micro_batch_size=1", "train.global_batch_size=null", "train.activation_checkpointing=full",
+                f"train.activation_offload={str(offload).lower()}", f"train.mlp_tile_tokens={TILE}",
+                "model.attn_implementation=varlen"]  # fmt: skip
+    recipe = load_recipe(REPO / RECIPES[case], settings)
+    launch = read_launch(REPO / "accelerate_configs" / "single_gpu.yaml", 1, 1)
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 * 10**9
+    return longest_fitting_length(model_shape(planned_model(recipe)), recipe, launch, memory)
 
 
 def main() -> None:
@@ -140,7 +169,7 @@ def main() -> None:
     for run in results["runs"]:
         longest = run["longest"]
         fit = f"{longest['length']:,} tokens, {longest['tokens_per_second']:.0f} tokens/s" if longest else "none"
-        print(f"{run['case']}{', offload' if run['offload'] else ''}: longest row {fit}")
+        print(f"{run['case']}{', offload' if run['offload'] else ''}: longest row {fit}; planned {run['planned']:,}")
 
 
 if __name__ == "__main__":

@@ -215,13 +215,14 @@ def activation_bytes(
     checkpointing: Policy,
     loss: LossPath = "chunked",
     scores: int = 0,
+    tile: int | None = None,
 ) -> int:
     """Bytes saved for backward in one micro-batch of `tokens` tokens (batch x sequence).
 
     Per token and layer a decoder layer keeps (in the compute dtype) its input, the two norm
     outputs, q/k/v and their rotary versions, the attention output, and the MLP's gate, up,
-    activation and product: about 7h + 3kv + 4i values, plus the norms' fp32 copies (2h * 4 bytes
-    each) under low-precision compute. Attention is SDPA/flash: no (sequence x sequence) matrix.
+    activation and product: about 7h + 3kv + 4i values, plus the norms' fp32 copies of their input
+    (h * 4 bytes each) under low-precision compute. Attention is SDPA/flash: no (sequence x sequence) matrix.
     The head, with `full_logits`, keeps the logits and the fp32 log-softmax of the loss: V*(c + 4)
     per token; `chunked` keeps the gradient of each token's hidden state (c*h) and, when the head
     trains, its weight's gradient (c*V*h, once) — every token counted as a target, the worst case.
@@ -232,16 +233,22 @@ def activation_bytes(
     A mixture of experts' MLP width i is what a token goes through (its top k experts), and each of its k routed
     copies also keeps its input and its expert's output (2h values each) until they are weighted and summed.
 
+    `tile` (`train.mlp_tile_tokens`): the MLP runs over tiles of that many tokens, each recomputed in backward, so
+    its gate, up, activation and product (4i) exist for one tile of one layer at a time, and no layer keeps them
+    (selective checkpointing keeps neither gate nor up then).
+
     `scores`: the attention scores a layer materializes, where its attention is `eager` (heads x n^2 per row
     of n tokens; sdpa and flash kernels keep none): each layer keeps the scores (c bytes) and their fp32 softmax
     (4 bytes); selective checkpointing keeps the scores (a matmul's output) and recomputes the softmax; full
     keeps neither, and has both once while a layer is recomputed.
     """
-    per_layer = compute_bytes * (7 * shape.hidden + 3 * shape.kv_hidden + 4 * shape.intermediate)
+    mlp = compute_bytes * 4 * shape.intermediate  # per token: gate, up, activation, product
+    tiled = min(tile, tokens) * mlp if tile else 0  # one tile's, once
+    per_layer = compute_bytes * (7 * shape.hidden + 3 * shape.kv_hidden) + (0 if tile else mlp)
     per_layer += compute_bytes * 2 * shape.routed * shape.hidden
     matrices = scores * (compute_bytes + 4)
-    if compute_bytes < 4:
-        per_layer += 2 * 2 * shape.hidden * 4
+    if compute_bytes < 4:  # each of the two norms keeps its input in fp32 (measured: 8h bytes a token a layer)
+        per_layer += 2 * shape.hidden * 4
     if loss == "full_logits":
         head = tokens * shape.vocab * (compute_bytes + 4)
     else:
@@ -249,11 +256,23 @@ def activation_bytes(
             0 if shape.adapters else compute_bytes * shape.vocab * shape.hidden
         )
     if checkpointing == "full":
-        return tokens * (shape.layers * shape.hidden * compute_bytes + per_layer) + matrices + head
+        return tokens * (shape.layers * shape.hidden * compute_bytes + per_layer) + matrices + head + tiled
     if checkpointing == "selective":
-        kept = compute_bytes * (5 * shape.hidden + 2 * shape.kv_hidden + 2 * shape.intermediate)
-        return tokens * (shape.layers * kept + per_layer) + shape.layers * scores * compute_bytes + matrices + head
-    return shape.layers * (tokens * per_layer + matrices) + head
+        kept = compute_bytes * (5 * shape.hidden + 2 * shape.kv_hidden + (0 if tile else 2 * shape.intermediate))
+        layers = shape.layers * scores * compute_bytes
+        return tokens * (shape.layers * kept + per_layer) + layers + matrices + head + tiled
+    return shape.layers * (tokens * per_layer + matrices) + head + tiled
+
+
+def backward_bytes(shape: ModelShape, tokens: int, compute_bytes: int, tile: int | None = None) -> int:
+    """What one layer's backward holds beyond what was saved for it (once: layers run their backward one at a
+    time): the gradient that arrives and the one it builds for its input (h each per token), and its larger phase:
+    the MLP's gradients of gate, up and their product (3i per token, of one tile when tiled), or attention's of
+    q, k and v (h + 2kv per token). At 862K tokens on 8 GPUs (Qwen3-8B, untiled) this is about 8 GB a GPU: what a
+    plan without it found to fit did not."""
+    mlp_tokens = min(tile, tokens) if tile else tokens
+    phase = max(mlp_tokens * 3 * shape.intermediate, tokens * (shape.hidden + 2 * shape.kv_hidden))
+    return compute_bytes * (2 * tokens * shape.hidden + phase)
 
 
 def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: str) -> Estimate:
@@ -286,9 +305,13 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     tokens = math.ceil(_sequences(recipe) * recipe.data.max_length / launch.sequence_parallel)
     # Eager attention materializes each row's n x n scores per head (a packed row's too: its mask is dense).
     scores = tokens * recipe.data.max_length * shape.heads if recipe.model.attn_implementation == "eager" else 0
+    tile = recipe.train.mlp_tile_tokens
+    transient = backward_bytes(shape, tokens, compute_bytes, tile) + exchange_bytes(
+        shape, tokens, compute_bytes, launch.sequence_parallel
+    )
     activations, checkpointed, selective = (
-        activation_bytes(shape, tokens, compute_bytes, policy, loss=recipe.train.loss_path, scores=scores)
-        + exchange_bytes(shape, tokens, compute_bytes, launch.sequence_parallel)
+        activation_bytes(shape, tokens, compute_bytes, policy, loss=recipe.train.loss_path, scores=scores, tile=tile)
+        + transient
         for policy in ("none", "full", "selective")
     )
     processes_per_host = launch.processes_per_machine
@@ -457,11 +480,34 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     lines.append(f"verdict (* = this config): {verdict(shape, recipe, launch, gpu_memory)}")
     longest = longest_fitting_length(shape, recipe, launch, gpu_memory)
     lines.append(
-        f"longest data.max_length this launch fits: {longest:,} tokens"
+        f"longest data.max_length this launch fits: {longest:,} tokens ({_long_row_pieces(recipe, launch)})"
         if longest
         else "longest data.max_length this launch fits: none of 1,024 tokens or more"
     )
     return "\n".join(lines)
+
+
+def _long_row_pieces(recipe: RecipeConfig, launch: Launch) -> str:
+    """Which of the pieces that lengthen a row this launch uses, and which it does not (ALST's set: sequence
+    parallelism, tiled MLP and loss, activation checkpointing with its inputs offloaded, state offloaded)."""
+    pieces = {
+        f"sequence parallel over {launch.sequence_parallel}": launch.sequence_parallel > 1,
+        f"MLP tiles of {recipe.train.mlp_tile_tokens or 0:,} tokens": bool(recipe.train.mlp_tile_tokens),
+        "chunked loss": recipe.train.loss_path == "chunked",
+        "activation checkpointing": launch.activation_checkpointing or recipe.train.recompute != "none",
+        "layer inputs offloaded": recipe.train.activation_offload,
+        "parameters and optimizer state offloaded": launch.offload,
+    }
+    used = [piece for piece, on in pieces.items() if on]
+    dense = experts_of(load_model_config(recipe.model)) is None  # tiles are for dense MLPs
+    unused = {
+        "train.mlp_tile_tokens": not recipe.train.mlp_tile_tokens and dense,
+        "train.activation_offload": not recipe.train.activation_offload,
+        "an offload config": not launch.offload,
+        "parallelism_config_sp_size": launch.sequence_parallel == 1 and launch.num_processes > 1,
+    }
+    without = [name for name, missing in unused.items() if missing]
+    return f"with {', '.join(used) or 'none of the pieces'}" + (f"; not with {', '.join(without)}" if without else "")
 
 
 def longest_fitting_length(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> int:
@@ -471,7 +517,7 @@ def longest_fitting_length(shape: ModelShape, recipe: RecipeConfig, launch: Laun
     def fits(length: int) -> bool:
         resized = replace(recipe, data=replace(recipe.data, max_length=length))
         chosen = estimate(shape, resized, launch, launch.strategy)
-        return chosen.device_peak(run_policy(chosen, resized, launch, gpu_memory)) <= gpu_memory
+        return chosen.device_peak(run_policy(chosen, resized, launch, gpu_memory)) <= usable_memory(gpu_memory)
 
     low, high = 0, 2**12  # in units of 1,024 tokens: up to 4,194,304
     while low < high:
@@ -484,29 +530,31 @@ def verdict(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory:
     """fits / fits with checkpointing or offload / does not fit, for the configured strategy."""
     chosen = estimate(shape, recipe, launch, launch.strategy)
     checkpointing = run_policy(chosen, recipe, launch, gpu_memory)
-    if chosen.device_at_load > gpu_memory:
+    usable = usable_memory(gpu_memory)
+    kept = f"{(gpu_memory - usable) / 2**30:.1f} of the device's {gpu_memory / 2**30:.1f} kept as headroom"
+    if chosen.device_at_load > usable:
         return (
-            f"does not fit at load ({chosen.device_at_load / 2**30:.1f} GiB needed of {gpu_memory / 2**30:.1f}): "
+            f"does not fit at load ({chosen.device_at_load / 2**30:.1f} GiB needed of {usable / 2**30:.1f}; {kept}): "
             "transformers loads the whole 4-bit base onto every device before accelerate shards it; use devices "
             f"with at least {math.ceil(chosen.device_at_load / 2**30 * 1.1)} GiB"
         )
     need = chosen.device_peak(checkpointing)
-    if need <= gpu_memory:
+    if need <= usable:
         at_load = " at load" if chosen.device_at_load > chosen.device_total(checkpointing) else ""
-        return f"fits ({need / 2**30:.1f} of {gpu_memory / 2**30:.1f} GiB{at_load})"
-    if checkpointing == "none" and chosen.device_total("selective") <= gpu_memory:
+        return f"fits ({need / 2**30:.1f} of {usable / 2**30:.1f} GiB{at_load}; {kept})"
+    if checkpointing == "none" and chosen.device_total("selective") <= usable:
         return "fits with selective activation checkpointing (train.activation_checkpointing: selective)"
-    if checkpointing != "full" and chosen.device_total("full") <= gpu_memory:
+    if checkpointing != "full" and chosen.device_total("full") <= usable:
         return "fits with activation checkpointing (train.activation_checkpointing: full)"
     if launch.strategy != "ddp" and not launch.offload:
         offloaded = estimate(
             shape, recipe, replace(launch, offload=True, activation_checkpointing=True), launch.strategy
         )
-        if offloaded.device_total("full") <= gpu_memory:
+        if offloaded.device_total("full") <= usable:
             return "fits with CPU offload and activation checkpointing (accelerate_configs/fsdp2_offload.yaml)"
-    more = math.ceil(need / gpu_memory * launch.num_processes)
+    more = math.ceil(need / usable * launch.num_processes)
     return (
-        f"does not fit ({need / 2**30:.1f} GiB needed of {gpu_memory / 2**30:.1f}); "
+        f"does not fit ({need / 2**30:.1f} GiB needed of {usable / 2**30:.1f}; {kept}); "
         f"shard over more devices (about {more}), lower micro_batch_size or max_length"
     )
 
@@ -523,12 +571,20 @@ def run_policy(chosen: Estimate, recipe: RecipeConfig, launch: Launch, gpu_memor
 
 def cheapest_policy(chosen: Estimate, gpu_memory: int | None) -> Policy:
     """`train.activation_checkpointing: auto`: the first of none, selective, full (least recomputation first)
-    whose estimated peak (`chosen`, the launch's strategy) fits `gpu_memory`; full when none does (the verdict
-    then says what else to change); none when there is no device memory to fit (CPU)."""
+    whose estimated peak (`chosen`, the launch's strategy) fits `gpu_memory` less its headroom; full when none does
+    (the verdict then says what else to change); none when there is no device memory to fit (CPU)."""
     if gpu_memory is None:
         return "none"
     policies: tuple[Policy, ...] = ("none", "selective", "full")
-    return next((policy for policy in policies if chosen.device_peak(policy) <= gpu_memory), "full")
+    usable = usable_memory(gpu_memory)
+    return next((policy for policy in policies if chosen.device_peak(policy) <= usable), "full")
+
+
+def usable_memory(gpu_memory: int) -> int:
+    """What a plan may fill of a device's memory: all but a headroom for what no estimate counts, 5% for the
+    caching allocator's fragmentation and 1 GiB for the CUDA context, its kernels and NCCL's buffers (5% more on
+    devices under 20 GiB)."""
+    return gpu_memory - gpu_memory // 20 - min(2**30, gpu_memory // 20)
 
 
 _RECOMPUTED = {

@@ -149,7 +149,7 @@ def test_gpu_check_dry_runs_every_step_in_its_cpu_form(tmp_path):
     assert [line.split(": ")[0] for line in steps["long-context"]["lines"]] == [
         "llama-3.2-1b full", "llama-3.2-1b full, offload", "llama-3.1-8b lora", "llama-3.1-8b lora, offload"
     ]  # fmt: skip
-    assert all("longest 512 tokens at " in line for line in steps["long-context"]["lines"])
+    assert all("longest 512 tokens at " in line and "; the plan's " in line for line in steps["long-context"]["lines"])
     assert all(positive(row["fill"]) and row["fill"] <= 1 for row in results["rows"])
 
 

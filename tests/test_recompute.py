@@ -208,3 +208,32 @@ def test_tiled_mlps_halve_a_layers_peak_at_long_rows():
         assert result.returncode == 0, result.stderr[-3000:]
         peaks[tiles] = int(result.stdout.split()[-1])
     assert peaks["1024"] <= 0.5 * peaks["whole"], peaks
+
+
+def test_the_plan_counts_mlp_tiles_and_says_which_pieces_lengthen_a_row():
+    """`finetune plan`'s longest row for Llama-3.1-8B (full fine-tuning) on one 80 GB GPU: with ALST's pieces (MLP
+    tiles, the chunked loss, checkpointed layers' inputs and the sharded state offloaded) over 500K tokens, ALST's
+    measured length on one H100; without the tiles well short of it; the report names what it used."""
+    from pathlib import Path
+
+    from finetune.config import load_recipe
+    from finetune.launch import read_launch
+    from finetune.plan import longest_fitting_length, model_shape, plan, planned_model
+
+    repo = Path(__file__).resolve().parent.parent
+    pieces = ["train.micro_batch_size=1", "train.global_batch_size=null", "train.activation_checkpointing=full",
+              "train.activation_offload=true"]  # fmt: skip
+    launch = read_launch(repo / "accelerate_configs" / "fsdp2_offload.yaml", 1, 1)
+    lengths = {}
+    for tiles in ("null", "8192"):
+        recipe = load_recipe(
+            repo / "recipes" / "llama" / "llama-3.1-8b.yaml", [*pieces, f"train.mlp_tile_tokens={tiles}"]
+        )
+        lengths[tiles] = longest_fitting_length(model_shape(planned_model(recipe)), recipe, launch, 80 * 10**9)
+    assert lengths["8192"] >= 500_000 > 1.5 * lengths["null"], lengths
+    report = plan(recipe, launch, 80 * 10**9)
+    assert (
+        f"fits: {lengths['8192']:,} tokens (with MLP tiles of 8,192 tokens, chunked loss, activation checkpointing, "
+        in report
+    )
+    assert "layer inputs offloaded, parameters and optimizer state offloaded)" in report
