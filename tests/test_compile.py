@@ -76,7 +76,8 @@ def test_the_gpu_varlen_path_compiled_as_accelerate_launches_it_does_not_recompi
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    eager = transformers.AutoModelForCausalLM.from_config(ARCHITECTURES["llama"], attn_implementation="varlen")
+    config = copy.deepcopy(ARCHITECTURES["llama"])  # from_config writes the attention into the config it is given
+    eager = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="varlen")
     compiled = compile_regions_fsdp2(copy.deepcopy(eager), backend="aot_eager", dynamic=False)
     graphs = []
     for packing in ([10, 14], [5, 19], [3, 8, 13], [2, 2, 20], [1, 1, 1, 21], [24], [12, 12]):
