@@ -480,14 +480,14 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     lines.append(f"verdict (* = this config): {verdict(shape, recipe, launch, gpu_memory)}")
     longest = longest_fitting_length(shape, recipe, launch, gpu_memory)
     lines.append(
-        f"longest data.max_length this launch fits: {longest:,} tokens ({_long_row_pieces(recipe, launch)})"
+        f"longest data.max_length this launch fits: {longest:,} tokens ({_long_row_pieces(shape, recipe, launch)})"
         if longest
         else "longest data.max_length this launch fits: none of 1,024 tokens or more"
     )
     return "\n".join(lines)
 
 
-def _long_row_pieces(recipe: RecipeConfig, launch: Launch) -> str:
+def _long_row_pieces(shape: ModelShape, recipe: RecipeConfig, launch: Launch) -> str:
     """Which of the pieces that lengthen a row this launch uses, and which it does not (ALST's set: sequence
     parallelism, tiled MLP and loss, activation checkpointing with its inputs offloaded, state offloaded)."""
     pieces = {
@@ -499,9 +499,8 @@ def _long_row_pieces(recipe: RecipeConfig, launch: Launch) -> str:
         "parameters and optimizer state offloaded": launch.offload,
     }
     used = [piece for piece, on in pieces.items() if on]
-    dense = experts_of(load_model_config(recipe.model)) is None  # tiles are for dense MLPs
     unused = {
-        "train.mlp_tile_tokens": not recipe.train.mlp_tile_tokens and dense,
+        "train.mlp_tile_tokens": not recipe.train.mlp_tile_tokens and not shape.routed,  # tiles: dense MLPs only
         "train.activation_offload": not recipe.train.activation_offload,
         "an offload config": not launch.offload,
         "parallelism_config_sp_size": launch.sequence_parallel == 1 and launch.num_processes > 1,
