@@ -28,8 +28,8 @@ TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b tr
 	train-8b-lora train-qwen-7b-lora train-70b-qlora train-qwen3-8b train-qwen3-8b-128k train-qwen3-30b-a3b train-qwen3-30b-a3b-64k \
 	train-qwen3-30b-a3b-lora \
 	train-gpt-oss-20b-lora train-mixtral-lora train-qwen-7b-tools train-8b-dpo train-qwen-7b-dpo \
-	train-qwen3-8b-grpo train-qwen3-8b-grpo-lora
-.PHONY: help setup test-fast demo demo-lora demo-dpo demo-grpo train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu \
+	train-qwen3-8b-grpo train-qwen3-8b-grpo-lora train-qwen3-1.7b-distill train-qwen3-1.7b-distill-on-policy
+.PHONY: help setup test-fast demo demo-lora demo-dpo demo-grpo demo-distill train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu \
 	gpu-wheels gpu-check test test-gpu lint format clean
 
 help: ## list the targets
@@ -86,6 +86,22 @@ demo-grpo: $(STAMP) ## online RL on the demo: GRPO of a partly trained reverser,
 	$(MAKE) --no-print-directory train-tiny DEMO_RECIPE=recipes/demo/tiny_llama_grpo.yaml ARGS="$(DEMO_GRPO) $(ARGS)"
 	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run-grpo \
 		--before $(DEMO_DIR)/run-partial/final
+
+# Distillation on the demo: the SFT run's export (made first if missing) teaches a student of half its layers and width
+# (recipes/demo/tiny_llama_distill.yaml); the same student trained by SFT for the same 100 steps, then distilled on the
+# data's replies alone (off-policy) and with half the steps on its own completions; the report compares each with SFT.
+DEMO_STUDENT := model.name_or_path=$(DEMO_DIR)/student train.max_steps=100 train.eval_every_steps=50
+demo-distill: $(STAMP) ## distillation on the demo: the trained model teaches a half-size student; report vs SFT
+	$(OFFLINE) $(PY) -m finetune demo build --dir $(DEMO_DIR)
+	@test -f $(DEMO_DIR)/run/final/config.json || $(MAKE) --no-print-directory train-tiny
+	$(MAKE) --no-print-directory train-tiny ARGS="output.dir=$(DEMO_DIR)/run-student-sft $(DEMO_STUDENT) $(ARGS)"
+	$(MAKE) --no-print-directory train-tiny DEMO_RECIPE=recipes/demo/tiny_llama_distill.yaml \
+		ARGS="output.dir=$(DEMO_DIR)/run-distill-off distill.on_policy_fraction=0 distill.max_new_tokens=null $(ARGS)"
+	$(MAKE) --no-print-directory train-tiny DEMO_RECIPE=recipes/demo/tiny_llama_distill.yaml ARGS="$(ARGS)"
+	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run-distill-off \
+		--before $(DEMO_DIR)/run-student-sft/final
+	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run-distill \
+		--before $(DEMO_DIR)/run-student-sft/final
 
 # The demo model is tiny, so it trains in fp32 on any hardware (--mixed_precision no).
 train-tiny: $(STAMP) ## train the demo recipe (after `finetune demo build`)
@@ -146,6 +162,16 @@ train-qwen3-8b-grpo-lora: RECIPE = recipes/qwen/qwen3-8b-grpo-math-lora.yaml
 train-qwen3-8b-grpo-lora: WRAP = Qwen3DecoderLayer
 train-qwen3-8b-grpo-lora: CONFIG = accelerate_configs/single_gpu.yaml
 train-qwen3-8b-grpo-lora: NUM_PROCESSES = 1
+train-qwen3-1.7b-distill: ## Qwen3-1.7B distilled from Qwen3-8B on math reasoning traces (forward KL), 8 GPUs
+train-qwen3-1.7b-distill: RECIPE = recipes/qwen/qwen3-1.7b-distill.yaml
+train-qwen3-1.7b-distill: WRAP = Qwen3DecoderLayer
+train-qwen3-1.7b-distill: CONFIG = accelerate_configs/single_node.yaml
+train-qwen3-1.7b-distill: NUM_PROCESSES = 8
+train-qwen3-1.7b-distill-on-policy: ## Qwen3-1.7B distilled from Qwen3-8B on its own math solutions (reverse KL), 8 GPUs
+train-qwen3-1.7b-distill-on-policy: RECIPE = recipes/qwen/qwen3-1.7b-distill-on-policy.yaml
+train-qwen3-1.7b-distill-on-policy: WRAP = Qwen3DecoderLayer
+train-qwen3-1.7b-distill-on-policy: CONFIG = accelerate_configs/single_node.yaml
+train-qwen3-1.7b-distill-on-policy: NUM_PROCESSES = 8
 train-qwen3-30b-a3b: ## Qwen3-30B-A3B (MoE, 128 experts, 8 per token), full, UltraChat, 8 GPUs, single-node preset
 train-qwen3-30b-a3b: RECIPE = recipes/qwen/qwen3-30b-a3b.yaml
 train-qwen3-30b-a3b: WRAP = Qwen3MoeDecoderLayer

@@ -211,7 +211,8 @@ def setup_accelerator(recipe: RecipeConfig) -> tuple[Accelerator, Policy, str | 
 
 def setup_tokenizer(recipe: RecipeConfig, builder: ObjectiveBuilder) -> PreTrainedTokenizerBase:
     tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
-    check_vocabulary(recipe.model, tokenizer, builder.reference_model)
+    setting = getattr(builder, "reference_setting", "the reference model")  # an objective of your own may lack it
+    check_vocabulary(recipe.model, tokenizer, builder.reference_model, setting)
     return tokenizer
 
 

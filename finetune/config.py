@@ -801,6 +801,73 @@ class RLConfig:
 
 
 @dataclass(kw_only=True)
+class DistillConfig:
+    """Distillation (finetune.objectives.distill): a frozen teacher's next-token distributions taught to the model,
+    on the data's replies (off-policy) and on the model's own completions of the data's prompts (on-policy)."""
+
+    teacher: str
+    """The teacher: a hub id or folder of a model with the student's tokenizer (usually a larger one of its family),
+    loaded frozen and sharded per layer as the student is."""
+
+    divergence: Literal["forward_kl", "reverse_kl", "jsd"] = "jsd"
+    """Per trained token, over the vocabulary: forward_kl (KL(teacher || student): every token the teacher would
+    say covered), reverse_kl (KL(student || teacher): the student's own choices graded, mode-seeking; what
+    on-policy distillation usually trains), jsd (the generalized Jensen-Shannon divergence of GKD, weighted by
+    `beta`). TRL's GKDTrainer's beta 0, 1 and in between."""
+
+    beta: float = 0.5
+    """jsd only: the teacher's weight in the mixture both are compared with, in (0, 1)."""
+
+    temperature: float = 1.0
+    """Both models' logits are divided by it before the divergence, and on-policy completions are sampled at it."""
+
+    on_policy_fraction: float = 0.0
+    """The share of steps trained on the model's own completions of their prompts (each step drawn from the run's
+    seed, the same on any process count): 0, the data's replies only; 1, completions only (GKD's lambda)."""
+
+    teacher_config_file: str | None = None
+    """The teacher's config.json shipped with the recipe, for `finetune plan` and `check` offline (as
+    model.config_file); training loads the teacher's own."""
+
+    max_new_tokens: int | None = None
+    """On-policy steps: the longest completion (and never past data.max_length). Required when on_policy_fraction
+    is above 0."""
+
+    sft_weight: float = 0.0
+    """Adds this x the cross-entropy of the trained tokens (the data's replies, or the model's own completions) to
+    each token's divergence."""
+
+    def errors(self) -> list[str]:
+        errors = []
+        if self.divergence == "jsd" and not 0 < self.beta < 1:
+            errors.append(
+                f"distill.beta must be in (0, 1) for divergence: jsd, got {self.beta}; its ends are divergence: "
+                "forward_kl (0) and reverse_kl (1)"
+            )
+        if self.divergence != "jsd" and self.beta != 0.5:
+            errors.append(f"distill.beta weighs divergence: jsd, not {self.divergence}; remove it")
+        if self.temperature <= 0:
+            errors.append(f"distill.temperature must be > 0, got {self.temperature}")
+        if not 0 <= self.on_policy_fraction <= 1:
+            errors.append(
+                f"distill.on_policy_fraction must be in [0, 1] (the share of steps on the model's own completions), "
+                f"got {self.on_policy_fraction}"
+            )
+        if self.on_policy_fraction > 0 and self.max_new_tokens is None:
+            errors.append(
+                "distill.on_policy_fraction > 0 samples completions: set distill.max_new_tokens (their longest)"
+            )
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            errors.append(f"distill.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens is not None and self.on_policy_fraction == 0:
+            errors.append("distill.max_new_tokens is read by on-policy steps only (distill.on_policy_fraction > 0); "
+                          "remove it or set both")  # fmt: skip
+        if self.sft_weight < 0:
+            errors.append(f"distill.sft_weight must be >= 0, got {self.sft_weight}")
+        return errors
+
+
+@dataclass(kw_only=True)
 class RecipeConfig:
     model: ModelConfig
     data: DataConfig
@@ -812,6 +879,7 @@ class RecipeConfig:
     preference: PreferenceConfig | None = None
     eval: EvalConfig = field(default_factory=EvalConfig)
     rl: RLConfig | None = None
+    distill: DistillConfig | None = None
 
     def cross_field_errors(self) -> list[str]:
         """Problems that involve more than one section, each with its fix (each section checks its own fields)."""
@@ -856,7 +924,7 @@ class RecipeConfig:
                 f"data.multi_turn={self.data.multi_turn} applies to supervised chat data; a preference run compares "
                 "each side's completion (every reply after the prompt both sides share), so remove it"
             )
-        return errors + self._rl_errors()
+        return errors + self._rl_errors() + self._distill_errors()
 
     def _rl_errors(self) -> list[str]:
         """An rl section's settings against the rest of the recipe."""
@@ -905,8 +973,41 @@ class RecipeConfig:
             )
         return errors
 
+    def _distill_errors(self) -> list[str]:
+        """A distill section's settings against the rest of the recipe."""
+        distill = self.distill
+        if distill is None:
+            return []
+        errors = []
+        sections = {"preference": self.preference, "rl": self.rl, "train.objective": self.train.objective}
+        others = [name for name, value in sections.items() if value is not None]
+        if others:
+            errors.append(f"a distill section trains by its own objective; remove {' and '.join(others)}")
+        if self.data.format == "preference":
+            errors.append("a distill section trains on sequences, not data.format=preference; set data.format=auto")
+        if _same_model(distill.teacher, self.model.name_or_path):
+            errors.append(
+                f"distill.teacher is the student's own model ({distill.teacher}): it would teach what the student "
+                "already knows (every divergence 0); set distill.teacher to the larger model to learn from"
+            )
+        new = distill.max_new_tokens
+        if distill.on_policy_fraction > 0 and new is not None and self.data.max_length <= new:
+            errors.append(
+                f"data.max_length={self.data.max_length} (prompt plus completion) leaves no room for prompts after "
+                f"distill.max_new_tokens={new}; raise data.max_length or lower distill.max_new_tokens"
+            )
+        return errors
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _same_model(first: str, second: str) -> bool:
+    """Whether two model settings name one model: the same hub id, or folders that resolve to one place."""
+    if first == second:
+        return True
+    a, b = Path(first).expanduser(), Path(second).expanduser()
+    return a.exists() and b.exists() and a.resolve() == b.resolve()
 
 
 # Keys renamed since they were introduced, (section, old) -> new: the old name keeps working, with a note.

@@ -49,6 +49,7 @@ def build(workdir: str) -> None:
         print(f"demo: reusing {root}/base and {root}/data")
         _write_pairs(root / "data")  # a build from before the preference data had none
         _write_prompts(root / "data")  # or the prompts of online RL
+        _write_student(root, AutoTokenizer.from_pretrained(root / "base"))  # or distillation's student
         return
     splits = _write_data(root / "data")
     _write_pairs(root / "data")
@@ -73,7 +74,27 @@ def build(workdir: str) -> None:
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     partial.rename(root / "base")
+    _write_student(root, tokenizer)
     print(f"demo: wrote {root}/base ({model.num_parameters():,} parameters) and {root}/data")
+
+
+def _write_student(root: Path, tokenizer: PreTrainedTokenizerFast) -> None:
+    """student/: the base's architecture at half its layers and width, randomly initialised, with its tokenizer:
+    what `make demo-distill` teaches from the trained demo model (kept if already there)."""
+    if (root / "student" / "config.json").exists():
+        return
+    base = LlamaConfig.from_pretrained(root / "base")
+    config = LlamaConfig(**{
+        **base.to_diff_dict(), "hidden_size": base.hidden_size // 2, "intermediate_size": base.intermediate_size // 2,
+        "num_hidden_layers": base.num_hidden_layers // 2, "num_attention_heads": base.num_attention_heads // 2,
+        "num_key_value_heads": max(1, base.num_key_value_heads // 2),
+    })  # fmt: skip
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config)
+    partial = root / "student.partial"
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(root / "student")
 
 
 def _write_data(data_dir: Path) -> dict[str, list[dict]]:
@@ -170,10 +191,13 @@ def report(workdir: str, output_dir: str = "outputs/demo/run", before: str | Non
     saved = Path(output_dir) / "recipe.yaml"  # the run's resolved recipe: was it preference tuning?
     settings = (yaml.safe_load(saved.read_text()) or {}) if saved.is_file() else {}
     preference, online = settings.get("preference") is not None, settings.get("rl") is not None
+    distilled = settings.get("distill") is not None
     pairs = [json.loads(line) for line in pairs_file.read_text().splitlines()] if preference else []
     first = "before (supervised)" if before else "base (random init)"
     rows, logps = [], []
     second = "after (preference)" if pairs else "after (online RL)" if online else "fine-tuned (exported)"
+    if distilled:  # the same student trained by SFT, against it distilled
+        first, second = ("student by SFT" if before else first), "student distilled"
     for label, folder in ((first, base_dir), (second, tuned_dir)):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         loss = _answer_loss(model, tokenizer, examples)

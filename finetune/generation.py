@@ -358,3 +358,22 @@ def _restore_resharding(was: list[tuple[object, object, object]]) -> None:
         # have happened during this generation, after `was` was read).
         root = state._is_root and state._auto_reshard_after_forward
         group.post_forward_mesh_info = None if root else mesh_info
+
+
+def gathers_once(model: torch.nn.Module, accelerator: Accelerator) -> tuple[bool, str]:
+    """Whether generation gathers every layer's parameters once per rollout (when the whole model fits in half
+    the device's free memory, beside the KV cache and the sharded state), or once per layer and token."""
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    unit = 2**30
+    if accelerator.device.type != "cuda":
+        return True, f"generation: parameters gathered once per rollout ({size / unit:.2f} GiB, in host memory)"
+    free, _ = torch.cuda.mem_get_info(accelerator.device)
+    if size <= free / 2:
+        return (
+            True,
+            f"generation: parameters gathered once per rollout ({size / unit:.1f} GiB of {free / unit:.1f} free)",
+        )
+    return False, (
+        f"generation: parameters gathered per layer at every token (the whole model, {size / unit:.1f} GiB, is more "
+        f"than half the {free / unit:.1f} GiB free)"
+    )

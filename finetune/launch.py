@@ -322,6 +322,11 @@ def recipe_launch_problems(
             "online RL (rl) generates under FSDP2, DDP or one process, not FSDP1; launch with "
             "accelerate_configs/fsdp2_full_shard.yaml (or another FSDP2 config)"
         )
+    elif recipe.distill is not None and recipe.distill.on_policy_fraction > 0 and fsdp_version == 1:
+        problems.append(
+            "on-policy distillation (distill.on_policy_fraction > 0) generates under FSDP2, DDP or one process, not "
+            "FSDP1; launch with accelerate_configs/fsdp2_full_shard.yaml (or another FSDP2 config)"
+        )
     elif recipe.eval.generate is not None and fsdp_version == 1:
         problems.append(
             "eval.generate answers prompts under FSDP2, DDP or one process, not FSDP1; launch with "
@@ -354,6 +359,12 @@ def sequence_recipe_problems(recipe: RecipeConfig, size: int) -> list[str]:
         problems.append(
             f"online RL (rl) samples whole completions on each process, and sequence parallelism (sp_size={size}) "
             "splits rows; launch without parallelism_config_sp_size"
+        )
+    if recipe.distill is not None:
+        # The teacher would need the student's split attention too; not built.
+        problems.append(
+            f"distillation (distill) runs its teacher on whole rows, and sequence parallelism (sp_size={size}) splits "
+            "them; launch without parallelism_config_sp_size"
         )
     return problems
 

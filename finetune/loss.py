@@ -192,12 +192,12 @@ def _head_computes_loss(
         # one would skip its backward hook).
         return torch.stack([total])
 
-    with _head_forward(head, forward):
+    with head_forward(head, forward):
         yield per_token
 
 
 @contextlib.contextmanager
-def _head_forward(head: torch.nn.Linear, forward: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+def head_forward(head: torch.nn.Linear, forward: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
     """While inside, the head's forward is `forward` (inside the model's own forward, where FSDP has gathered
     the head's parameters); afterwards the class's forward again."""
     head.forward = forward
@@ -312,7 +312,7 @@ def token_logps(model: torch.nn.Module, batch: Batch, path: LossPath, temperatur
             hidden, bias = hidden / temperature, bias / temperature if bias is not None else None
         return _LinearLogProbs.apply(hidden, head.weight, bias, kept_targets)
 
-    with _head_forward(head, forward):
+    with head_forward(head, forward):
         return model(**inputs, use_cache=False, logits_to_keep=0).logits.reshape(-1).float()
 
 

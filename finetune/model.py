@@ -301,11 +301,16 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None) -> PreTra
     return tokenizer
 
 
-def check_vocabulary(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, reference: str | None = None) -> None:
+def check_vocabulary(
+    cfg: ModelConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    reference: str | None = None,
+    setting: str = "preference.reference_model",
+) -> None:
     """Before any weights load: every token the tokenizer can produce has an embedding row (else an IndexError deep
-    in the forward, on a GPU a device-side assert), and a preference `reference` model scores the same vocabulary
-    with the same tokenizer as the policy (a smaller one fails in the loss, a larger one normalizes over other
-    tokens and trains silently wrong)."""
+    in the forward, on a GPU a device-side assert), and a second model (a preference `reference`, a distillation
+    teacher: named by `setting`) scores the same vocabulary with the same tokenizer as the policy (a smaller one
+    fails in the loss, a larger one normalizes over other tokens and trains silently wrong)."""
     rows = load_model_config(cfg).get_text_config().vocab_size
     if rows is not None and len(tokenizer) > rows:
         raise FinetuneError(
@@ -319,9 +324,9 @@ def check_vocabulary(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, refer
     reference_rows = theirs.get_text_config().vocab_size
     if reference_rows != rows:
         raise FinetuneError(
-            f"preference.reference_model {reference!r} has {reference_rows:,} embedding rows and the policy "
-            f"{cfg.name_or_path!r} {rows:,}: both must score the same token ids over the same vocabulary; use a "
-            "reference of the policy's own vocabulary (usually the model the policy was fine-tuned from)"
+            f"{setting} {reference!r} has {reference_rows:,} embedding rows and the model {cfg.name_or_path!r} "
+            f"{rows:,}: both must score the same token ids over the same vocabulary; use one of the model's own "
+            "vocabulary (the model it was fine-tuned from, or a model of its family)"
         )
     folder = model_folder(reference)
     if folder is None or not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
@@ -331,10 +336,9 @@ def check_vocabulary(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, refer
     if their_tokens != ours:
         token, token_id = sorted(set(ours.items()) ^ set(their_tokens.items()), key=lambda item: (item[1], item[0]))[0]
         raise FinetuneError(
-            f"the tokenizer of preference.reference_model {reference!r} differs from the policy's "
-            f"({len(their_tokens):,} and {len(ours):,} tokens; first difference: {token!r} = id {token_id:,} in one "
-            "only): the reference would score other tokens than the ones trained; use a reference with the policy's "
-            "tokenizer"
+            f"the tokenizer of {setting} {reference!r} differs from the model's ({len(their_tokens):,} and "
+            f"{len(ours):,} tokens; first difference: {token!r} = id {token_id:,} in one only): it would score other "
+            "tokens than the ones trained; use a model with the same tokenizer"
         )
 
 

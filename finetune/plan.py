@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
-from finetune.config import RecipeConfig
+from finetune.config import ModelConfig, RecipeConfig
 from finetune.distributed import running_launch
 from finetune.errors import FinetuneError
 from finetune.family import Experts, experts_of, is_routed_expert
@@ -84,6 +84,9 @@ class ModelShape:
     adapters: bool = False
     quantizable: int = 0
     """Frozen weights of linear layers other than the output head: what QLoRA stores in 4 bits."""
+    teacher: int = 0
+    """A distillation teacher's parameters (frozen, sharded as the model's), and its width: 0 without one."""
+    teacher_hidden: int = 0
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,17 @@ def planned_model(recipe: RecipeConfig) -> PreTrainedModel:
 
         model = add_adapters(model, recipe.peft)
     return model
+
+
+def recipe_shape(recipe: RecipeConfig) -> ModelShape:
+    """The shape of the recipe's model, with its distillation teacher's size when it has one."""
+    shape = model_shape(planned_model(recipe))
+    if recipe.distill is None:
+        return shape
+    cfg = ModelConfig(name_or_path=recipe.distill.teacher, config_file=recipe.distill.teacher_config_file,
+                      trust_remote_code=recipe.model.trust_remote_code)  # fmt: skip
+    teacher = model_shape(meta_model(load_model_config(cfg)))
+    return replace(shape, teacher=teacher.parameters, teacher_hidden=teacher.hidden)
 
 
 def model_shape(model: PreTrainedModel) -> ModelShape:
@@ -292,6 +306,7 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
         parameters += shape.parameters * param_bytes // shards  # the frozen reference, sharded as the policy
     if recipe.rl is not None and recipe.rl.beta and recipe.peft is None:
         parameters += shape.parameters * param_bytes // shards  # the initial weights, the KL penalty's reference
+    parameters += shape.teacher * param_bytes // shards  # a distillation teacher, loaded as the model is
     gradients, optimizer = trainable_bytes // shards, 2 * trainable_bytes // shards
     # What an all-gather moves per parameter: QLoRA gathers the packed 4-bit weights as they are stored.
     gathered_bytes = _NF4_BYTES if nf4 else compute_bytes
@@ -309,6 +324,8 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     transient = backward_bytes(shape, tokens, compute_bytes, tile) + exchange_bytes(
         shape, tokens, compute_bytes, launch.sequence_parallel
     )
+    # A teacher's output weight, copied out of its forward, and its last hidden states, while the model trains.
+    transient += (shape.vocab + tokens) * shape.teacher_hidden * compute_bytes
     activations, checkpointed, selective = (
         activation_bytes(shape, tokens, compute_bytes, policy, loss=recipe.train.loss_path, scores=scores, tile=tile)
         + transient
@@ -325,6 +342,7 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     host_load = full_model if launch.cpu_ram_efficient_loading else full_model * processes_per_host
     if nf4:  # each process streams the weight files (about 5 GB each) onto its device, quantizing them
         host_load = min(full_model, 5 * 10**9) * processes_per_host
+    host_load += shape.teacher * param_bytes * processes_per_host  # every process loads the teacher whole
     if launch.offload and strategy != "ddp":
         host_load += (parameters + gradients + optimizer) * processes_per_host
         parameters = gradients = optimizer = 0
@@ -385,7 +403,9 @@ def _rollout_rows(recipe: RecipeConfig, launch: Launch) -> int:
 
 
 def _trainable(shape: ModelShape) -> str:
-    return f", {shape.trainable:,} of them trainable adapters (fp32)" if shape.adapters else ""
+    adapters = f", {shape.trainable:,} of them trainable adapters (fp32)" if shape.adapters else ""
+    teacher = f"; a frozen teacher of {shape.teacher:,} (distill), sharded as the model" if shape.teacher else ""
+    return adapters + teacher
 
 
 def parse_memory(text: str) -> int:
@@ -416,7 +436,7 @@ def refuse_launch(recipe: RecipeConfig, launch: Launch) -> None:
 def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     """The report: a table per strategy and a verdict for the configured one."""
     refuse_launch(recipe, launch)
-    shape = model_shape(planned_model(recipe))
+    shape = recipe_shape(recipe)
     estimates = {strategy: estimate(shape, recipe, launch, strategy) for strategy in STRATEGIES}
     largest = max(e.device_total("none") for e in estimates.values())
     unit_name, gib = ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
@@ -605,7 +625,7 @@ def recompute_policy(recipe: RecipeConfig, accelerator: Accelerator) -> tuple[Po
     cuda = accelerator.device.type == "cuda"
     memory = torch.cuda.get_device_properties(accelerator.device).total_memory if cuda else None
     launch = running_launch(accelerator)
-    policy = cheapest_policy(estimate(model_shape(planned_model(recipe)), recipe, launch, launch.strategy), memory)
+    policy = cheapest_policy(estimate(recipe_shape(recipe), recipe, launch, launch.strategy), memory)
     reason = (
         f"the first that the plan fits in {memory / 2**30:.1f} GiB"
         if memory
@@ -630,7 +650,7 @@ def check(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     problems = model_problems(model.config, launch.sequence_parallel)
     if problems:
         raise FinetuneError(f"cannot train with {launch.config_path}: " + "; ".join(problems))
-    shape = model_shape(model)
+    shape = recipe_shape(recipe)
     source = recipe.model.config_file or recipe.model.name_or_path
     lines = [f"model: {shape.name} from {source}, {shape.parameters:,} parameters{_trainable(shape)}"]
     if launch.strategy != "ddp" and launch.wrap_policy == "TRANSFORMER_BASED_WRAP":

@@ -123,8 +123,11 @@ def check_resumable(table: torch.Tensor | None, output_dir: Path) -> torch.Tenso
     return table
 
 
-def frozen_model(model: ModelConfig, name_or_path: str, accelerator: Accelerator, setting: str) -> torch.nn.Module:
-    """A second model to compare with (`setting` names what asked for it, for the log): loaded as the policy's
+def frozen_model(
+    model: ModelConfig, name_or_path: str, accelerator: Accelerator, setting: str, role: str = "reference"
+) -> torch.nn.Module:
+    """A second model to compare with or learn from (`setting` names what asked for it and `role` what it is, for
+    the log): loaded as the policy's
     config says (its dtype and attention), frozen, without dropout, in eval mode, routing as the policy does, and
     sharded with the policy's per-layer units, so a forward gathers one layer at a time."""
     cfg = dataclasses.replace(model, name_or_path=name_or_path, config_file=None)
@@ -136,7 +139,7 @@ def frozen_model(model: ModelConfig, name_or_path: str, accelerator: Accelerator
     mesh = getattr(accelerator, "torch_device_mesh", None)  # hybrid sharding's 2-D mesh; None: the whole world
     fsdp_mesh = mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None
     shard_frozen(reference, getattr(accelerator.state, "fsdp_plugin", None), accelerator.device, fsdp_mesh)
-    accelerator.print(f"reference: {name_or_path}, frozen, sharded as the policy{_mesh_shape(reference)} ({setting})")
+    accelerator.print(f"{role}: {name_or_path}, frozen, sharded as the policy{_mesh_shape(reference)} ({setting})")
     return reference
 
 

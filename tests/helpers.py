@@ -18,6 +18,7 @@ from finetune.distributed import free_port
 REPO = Path(__file__).resolve().parent.parent
 DEMO_RECIPE = REPO / "recipes" / "demo" / "tiny_llama.yaml"
 GRPO_RECIPE = REPO / "recipes" / "demo" / "tiny_llama_grpo.yaml"
+DISTILL_RECIPE = REPO / "recipes" / "demo" / "tiny_llama_distill.yaml"
 CONFIGS = REPO / "accelerate_configs"
 
 

@@ -264,12 +264,20 @@ def test_vocabulary_mismatches_are_one_line_before_any_weight_loads(tmp_path, de
         "data.format": "auto", "preference.loss": "dpo", "preference.reference": "model",
     }  # fmt: skip
     for reference, message in (
-        (wider, "has 320 embedding rows and the policy"),
-        (renumbered, "differs from the policy's (278 and 278 tokens; first difference: '"),
+        (wider, f"preference.reference_model '{wider}' has 320 embedding rows and the model"),
+        (
+            renumbered,
+            f"the tokenizer of preference.reference_model '{renumbered}' differs from the model's (278 and "
+            "278 tokens; first difference: '",
+        ),
     ):
         settings = {**pairs, "preference.reference_model": reference}
         overrides = recipe_overrides(demo_assets, tmp_path / "out", **settings)
         assert_user_error(run_cli("train", str(DEMO_RECIPE), *overrides), message)
+    # A distillation teacher, the same: named by its own setting.
+    overrides = recipe_overrides(demo_assets, tmp_path / "out", **{"distill.teacher": renumbered})
+    message = f"the tokenizer of distill.teacher '{renumbered}'"
+    assert_user_error(run_cli("train", str(DEMO_RECIPE), *overrides), message)
     assert not (tmp_path / "out").exists()
 
 

@@ -42,6 +42,8 @@ MODELS = {
     "recipes/qwen/qwen2.5-7b-dpo-lora.yaml": ("Qwen2DecoderLayer", 7_615_616_512),
     "recipes/qwen/qwen3-8b-grpo-math.yaml": ("Qwen3DecoderLayer", 8_190_735_360),
     "recipes/qwen/qwen3-8b-grpo-math-lora.yaml": ("Qwen3DecoderLayer", 8_190_735_360),
+    "recipes/qwen/qwen3-1.7b-distill.yaml": ("Qwen3DecoderLayer", 1_720_574_976),  # 1.7B, 1.4B without embeddings
+    "recipes/qwen/qwen3-1.7b-distill-on-policy.yaml": ("Qwen3DecoderLayer", 1_720_574_976),
 }
 
 
@@ -72,7 +74,8 @@ def make_variables(target: str) -> dict[str, str]:
 
 def test_every_model_size_has_a_recipe():
     shipped = {str(p.relative_to(REPO)) for p in (REPO / "recipes").rglob("*.yaml")}
-    assert set(MODELS) | {"recipes/demo/tiny_llama.yaml", "recipes/demo/tiny_llama_grpo.yaml"} == shipped
+    demos = {f"recipes/demo/tiny_llama{kind}.yaml" for kind in ("", "_grpo", "_distill")}
+    assert set(MODELS) | demos == shipped
 
 
 @pytest.mark.parametrize("path", sorted(MODELS))
@@ -98,7 +101,7 @@ def test_recipe_builds_offline_and_its_launch_checks_out(path):
     assert "memory per device: fits" in report, report
 
     # `make <target>` launches exactly what the header says.
-    target = re.search(r"make (train-[a-z0-9-]+)", (REPO / path).read_text()).group(1)
+    target = re.search(r"make (train-[a-z0-9.-]+)", (REPO / path).read_text()).group(1)
     made = make_variables(target)
     assert made["recipe"] == path
     assert made["config"] == str(config.relative_to(REPO)) and int(made["processes"]) == launch.num_processes

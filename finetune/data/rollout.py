@@ -67,3 +67,29 @@ def shared_rows(prompts: list[list[int]], completions: list[list[int]], group: i
         "kept_targets": torch.tensor([target for _, target in kept]),
         "shared_prompt": grouping(width, [len(prompts[start]) for start in range(0, len(prompts), group)], segments),
     }
+
+
+def reply_prompts(batch: dict[str, torch.Tensor]) -> list[list[int]]:
+    """The prompt of each sample of a batch of supervised rows (packed: samples told apart by `position_ids`
+    restarting; or padded), in order: its tokens up to the position that predicts its last reply's first token,
+    that is everything before the last run of trained targets. A sample that trains nothing has none."""
+    input_ids, target_ids = batch["input_ids"].tolist(), batch["target_ids"].tolist()
+    if "row_tokens" in batch:
+        lengths = batch["row_tokens"].tolist()
+    elif "attention_mask" in batch:
+        lengths = batch["attention_mask"].sum(dim=1).tolist()
+    else:
+        lengths = [len(row) for row in input_ids]
+    positions = batch["position_ids"].tolist() if "position_ids" in batch else None
+    prompts = []
+    for row, length in enumerate(lengths):
+        starts = [0] if positions is None else [p for p in range(length) if positions[row][p] == 0]
+        for start, end in zip(starts, [*starts[1:], length], strict=True):
+            trained = [p for p in range(start, end) if target_ids[row][p] != IGNORE]
+            if not trained:
+                continue
+            first = trained[-1]
+            while first - 1 >= start and target_ids[row][first - 1] != IGNORE:
+                first -= 1
+            prompts.append(input_ids[row][start : first + 1])
+    return prompts

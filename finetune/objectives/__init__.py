@@ -37,6 +37,7 @@ from finetune.batch import Batch
 from finetune.config import RecipeConfig
 from finetune.errors import imported
 from finetune.objectives.balanced import WithBalancingLoss
+from finetune.objectives.distill import Distill, DistillBuilder
 from finetune.objectives.grpo import GRPO, GRPOBuilder
 from finetune.objectives.preference import Preference, PreferenceBuilder
 from finetune.objectives.supervised import Supervised, SupervisedBuilder
@@ -47,8 +48,8 @@ if TYPE_CHECKING:
     from finetune.weights import Weights
 
 __all__ = [
-    "GRPO", "WithBalancingLoss", "BuildContext", "Objective", "ObjectiveBuilder", "Preference", "Supervised",
-    "objective_for", "with_rollout",
+    "GRPO", "WithBalancingLoss", "BuildContext", "Distill", "Objective", "ObjectiveBuilder", "Preference",
+    "Supervised", "objective_for", "with_rollout",
 ]  # fmt: skip
 
 
@@ -110,6 +111,8 @@ class ObjectiveBuilder(Protocol):
     """What it trains on, as `finetune.data.build_data` reads, tokenizes and batches it."""
     reference_model: str | None
     """A second model it loads (checked with the tokenizer before any weight loads), or None."""
+    reference_setting: str
+    """The recipe setting that names it, for the messages that refuse it (`preference.reference_model`)."""
 
     def prepare_model(self, model: torch.nn.Module, accelerator: Accelerator) -> None:
         """Anything the objective needs of the model before it is sharded."""
@@ -149,14 +152,16 @@ def with_rollout(objective: Objective) -> Objective:
 
 def objective_for(recipe: RecipeConfig) -> ObjectiveBuilder:
     """The recipe's objective: `train.objective` (a `module:attribute` taking the recipe and returning an
-    ObjectiveBuilder), else online RL with an `rl` section, preference tuning with a `preference` section, else
-    supervised fine-tuning."""
+    ObjectiveBuilder), else online RL with an `rl` section, preference tuning with a `preference` section,
+    distillation with a `distill` section, else supervised fine-tuning."""
     if recipe.train.objective is not None:
         return _imported(recipe.train.objective)(recipe)
     if recipe.rl is not None:
         return GRPOBuilder(recipe.rl, recipe.model.name_or_path, adapters=recipe.peft is not None)
     if recipe.preference is not None:
         return PreferenceBuilder(recipe.preference)
+    if recipe.distill is not None:
+        return DistillBuilder(recipe.distill, recipe.data)
     return SupervisedBuilder()
 
 

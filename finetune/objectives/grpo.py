@@ -44,7 +44,7 @@ from finetune.data.prompt_only import PromptOnly
 from finetune.data.prompts import content_text
 from finetune.data.rollout import separate_rows, shared_rows
 from finetune.distributed import raised_together
-from finetune.generation import Sampling, complete, generating, row_noise, stop_tokens
+from finetune.generation import Sampling, complete, gathers_once, generating, row_noise, stop_tokens
 from finetune.loss import LossPath, token_logps
 from finetune.model import disable_dropout
 from finetune.rewards import Reward, build_rewards, check_columns, score
@@ -631,6 +631,7 @@ class GRPOBuilder:
 
     name = "rl"
     unit_noun = "prompts"
+    reference_setting = "model.name_or_path (the KL penalty's reference)"
 
     def __init__(self, cfg: RLConfig, base: str, adapters: bool):
         self.cfg = cfg
@@ -650,7 +651,7 @@ class GRPOBuilder:
     def build(self, context: BuildContext) -> tuple[GRPO, Callable[[], None]]:
         accelerator = context.accelerator
         model = accelerator.unwrap_model(context.model)
-        once, line = _gather_once(model, accelerator)
+        once, line = gathers_once(model, accelerator)
         accelerator.print(line)
         objective = GRPO(
             self.cfg, context.loss_path, self.rewards, context.tokenizer, context.recipe.train.seed, self.reference,
@@ -682,22 +683,3 @@ def _share_prompts(models: list[torch.nn.Module]) -> tuple[bool, str]:
     for model in models:
         model.set_attn_implementation(shared_attention.NAME)
     return True, "rollout rows: each prompt once, its completions after it (shared_prompt attention)"
-
-
-def _gather_once(model: torch.nn.Module, accelerator: Accelerator) -> tuple[bool, str]:
-    """Whether generation gathers every layer's parameters once per rollout (when the whole model fits in half
-    the device's free memory, beside the KV cache and the sharded state), or once per layer and token."""
-    size = sum(p.numel() * p.element_size() for p in model.parameters())
-    unit = 2**30
-    if accelerator.device.type != "cuda":
-        return True, f"generation: parameters gathered once per rollout ({size / unit:.2f} GiB, in host memory)"
-    free, _ = torch.cuda.mem_get_info(accelerator.device)
-    if size <= free / 2:
-        return (
-            True,
-            f"generation: parameters gathered once per rollout ({size / unit:.1f} GiB of {free / unit:.1f} free)",
-        )
-    return False, (
-        f"generation: parameters gathered per layer at every token (the whole model, {size / unit:.1f} GiB, is more "
-        f"than half the {free / unit:.1f} GiB free)"
-    )

@@ -216,6 +216,7 @@ class PreferenceBuilder:
     name = "preference"
     unit_noun = "pairs"
     samples = PAIR_SAMPLES
+    reference_setting = "preference.reference_model"
 
     def __init__(self, cfg: PreferenceConfig):
         self.cfg = cfg

@@ -68,6 +68,7 @@ class SupervisedBuilder:
     unit_noun = "sequences"
     samples = SEQUENCES
     reference_model = None
+    reference_setting = ""
 
     def prepare_model(self, model: torch.nn.Module, accelerator: Accelerator) -> None:
         return None

@@ -1,0 +1,224 @@
+"""Distillation (the `distill` section): a frozen teacher's next-token distributions taught to the model.
+
+Every trained token's loss is a divergence between the teacher's distribution and the student's at that position
+(`finetune.divergence`: forward KL, reverse KL or GKD's generalized JSD, of the logits over a temperature), plus
+`sft_weight` x the token's cross-entropy; a step averages it over its trained tokens, as supervised fine-tuning
+does. The teacher is loaded frozen, without dropout, and sharded with the student's per-layer units
+(`finetune.reference.frozen_model`); it runs a forward on each micro-batch before the student's.
+
+Which tokens train is the step's choice, drawn from the run's seed and the step's number (the same on any process
+count, and on resume), with probability `on_policy_fraction`:
+
+- off-policy: the data's replies, as loaded (packed or padded, every trained token of every sample);
+- on-policy: the student's own completions of each sample's prompt (its tokens before its last reply, which the
+  completion replaces: earlier replies of a conversation are context then, not trained), sampled at the
+  temperature with seeded noise (`finetune.generation`) whose seed is the run's, the step's and the sample's place
+  in the step's batch, never the process's: the same completions on any process count. GKD's on-policy
+  distillation: the teacher grades what the student would say, token by token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerBase
+
+from finetune.batch import IGNORE, Batch
+from finetune.config import DataConfig, DistillConfig
+from finetune.data import SEQUENCES
+from finetune.data.pack import with_host_indices
+from finetune.data.rollout import reply_prompts, separate_rows
+from finetune.divergence import Spec, distill_losses
+from finetune.generation import Sampling, complete, gathers_once, generating, row_noise, stop_tokens
+from finetune.loss import LossPath, chunked_loss_unsupported, target_positions
+from finetune.reference import frozen_model
+from finetune.sequence import gather_rows
+from finetune.wrap import reshard
+
+ON_POLICY_STREAM = 0xD157
+"""Mixed into the seed of the per-step draw of on-policy steps, apart from every other seeded draw of the run."""
+
+
+def on_policy(seed: int, step: int, fraction: float) -> bool:
+    """Whether step `step` trains on the model's own completions: a draw from the run's seed and the step alone."""
+    return fraction > 0 and numpy.random.default_rng([seed, step, ON_POLICY_STREAM]).random() < fraction
+
+
+@dataclass
+class _Window:
+    """What on-policy steps sampled since the last log, on this process."""
+
+    steps: int = 0
+    on_policy_steps: int = 0
+    completions: int = 0
+    tokens: int = 0
+    truncated: int = 0
+    seconds: float = 0.0
+
+    def metrics(self, accelerator: Accelerator) -> dict[str, float]:
+        device = accelerator.device
+        counted = torch.tensor([self.completions, self.tokens, self.truncated], dtype=torch.float64, device=device)
+        completions, tokens, truncated = accelerator.reduce(counted, "sum").cpu().tolist()
+        seconds = torch.tensor(self.seconds, dtype=torch.float64, device=device)
+        if accelerator.num_processes > 1:  # the slowest process's: the others wait for it
+            torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
+        values = {"on_policy": self.on_policy_steps / max(self.steps, 1)} if self.steps else {}
+        if completions:
+            values |= {
+                "completions/mean_length": tokens / completions, "completions/clipped_ratio": truncated / completions,
+                "generation/tokens_per_second": tokens / max(seconds.item(), 1e-9),
+            }  # fmt: skip
+        self.steps = self.on_policy_steps = self.completions = self.tokens = self.truncated = 0
+        self.seconds = 0.0
+        return values
+
+
+@dataclass
+class Distill:
+    """The distill objective (`finetune.objectives.Objective`)."""
+
+    cfg: DistillConfig
+    loss_path: LossPath
+    teacher: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    seed: int
+    max_length: int
+    """data.max_length: no on-policy row is longer."""
+    gather_once: bool = True
+    window: _Window = field(default_factory=_Window)
+    unit_name: str = "target_tokens"
+    metric_names: tuple[str, ...] = ("divergence", "cross_entropy")
+    progress_name: str | None = "divergence"
+    steps_per_window: int = 1
+
+    @property
+    def spec(self) -> Spec:
+        return Spec(self.cfg.divergence, self.cfg.beta, self.cfg.temperature, self.cfg.sft_weight)
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        return (batch["target_ids"] != IGNORE).sum()
+
+    def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        losses = distill_losses(model, self.teacher, batch, self.loss_path, self.spec)
+        return losses.total, torch.stack([losses.divergence.sum(), losses.cross_entropy.sum()])
+
+    def periodic_metrics(self, accelerator: Accelerator) -> dict[str, float]:
+        return self.window.metrics(accelerator)
+
+    def rollout(
+        self,
+        model: torch.nn.Module,
+        micro_batches: list[Batch],
+        step: int,
+        accelerator: Accelerator,
+        draw: Callable[[], list[Batch]] | None = None,
+    ) -> list[Batch]:
+        """The data's micro-batches, or on an on-policy step the model's completions of their prompts (collective:
+        every process generates at once, as every process draws the same steps)."""
+        self.window.steps += 1
+        if not on_policy(self.seed, step, self.cfg.on_policy_fraction):
+            return micro_batches
+        self.window.on_policy_steps += 1
+        processes, me = accelerator.num_processes, accelerator.process_index
+        prompts = [reply_prompts(batch) for batch in micro_batches]
+        # A micro-batch's place in the step's batch: the loader deals them round the processes.
+        seeds = [
+            (self.seed, step, n * processes + me, sample)
+            for n, these in enumerate(prompts) for sample in range(len(these))
+        ]  # fmt: skip
+        flat = [prompt for these in prompts for prompt in these]
+        completions = self._sampled(model, flat, seeds, accelerator)
+        batches, start = [], 0
+        for batch, these in zip(micro_batches, prompts, strict=True):
+            if not these:  # nothing trains in it either way
+                batches.append(batch)
+                continue
+            rows = separate_rows(these, completions[start : start + len(these)], self.tokenizer.pad_token_id)
+            start += len(these)
+            rows["num_tokens"] = rows["attention_mask"].sum()
+            batches.append({key: value.to(accelerator.device) for key, value in with_host_indices(rows).items()})
+        return batches
+
+    def _sampled(
+        self, model: torch.nn.Module, prompts: list[list[int]], seeds: list[tuple[int, ...]], accelerator: Accelerator
+    ) -> list[list[int]]:
+        """Each prompt's completion, sampled with its seed's noise and cut where its row would pass data.max_length."""
+        new_tokens = self.cfg.max_new_tokens
+        sampling = Sampling(self.cfg.temperature, 1.0, row_noise(seeds, new_tokens))
+        was_training = model.training
+        model.eval()
+        began = time.perf_counter()
+        with torch.no_grad(), generating(model, gather_once=self.gather_once) as lock_step:
+            completions = complete(model, prompts, self.tokenizer, accelerator, new_tokens, sampling, lock_step)
+        model.train(was_training)
+        stops = stop_tokens(model, self.tokenizer)
+        completions = [c[: self.max_length - len(p)] for p, c in zip(prompts, completions, strict=True)]
+        window = self.window
+        window.seconds += time.perf_counter() - began
+        window.completions += len(completions)
+        window.tokens += sum(len(c) for c in completions)
+        window.truncated += sum(not c or c[-1] not in stops for c in completions)
+        return completions
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, loader: DataLoader, accelerator: Accelerator) -> dict[str, float]:
+        """The loss, divergence and cross-entropy per trained token of the held-out data (its replies, each sample
+        counted once whatever the process count)."""
+        model.eval()
+        sums = torch.zeros(3, dtype=torch.float64)
+        for batch in loader:
+            losses = distill_losses(model, self.teacher, batch, self.loss_path, self.spec)
+            rows, width = batch["target_ids"].shape
+            row_of = target_positions(batch).div(width, rounding_mode="floor")
+            per_row = torch.zeros(rows, 3, device=row_of.device)
+            values = torch.stack([losses.divergence, losses.cross_entropy, torch.ones_like(losses.divergence)], dim=1)
+            per_row.index_add_(0, row_of, values)
+            # Without the rows accelerate duplicated to give every process equal batches.
+            (per_row,) = gather_rows(accelerator, (per_row,))
+            sums += per_row.double().sum(dim=0).cpu()
+        reshard(model)
+        model.train()
+        divergence, cross_entropy, tokens = sums.tolist()
+        divergence, cross_entropy = divergence / max(tokens, 1), cross_entropy / max(tokens, 1)
+        loss = divergence + self.cfg.sft_weight * cross_entropy
+        return {"loss": loss, "divergence": divergence, "cross_entropy": cross_entropy}
+
+
+class DistillBuilder:
+    """Distillation as the build knows it (`finetune.objectives.ObjectiveBuilder`): sequences, and the teacher."""
+
+    name = "distill"
+    unit_noun = "sequences"
+    samples = SEQUENCES
+    reference_setting = "distill.teacher"
+
+    def __init__(self, cfg: DistillConfig, data: DataConfig):
+        self.cfg = cfg
+        self.data = data
+        self.reference_model = cfg.teacher
+
+    def prepare_model(self, model: torch.nn.Module, accelerator: Accelerator) -> None:
+        return None
+
+    def build(self, context) -> tuple[Distill, Callable[[], None]]:
+        accelerator = context.accelerator
+        teacher = frozen_model(context.recipe.model, self.cfg.teacher, accelerator, "distill.teacher", "teacher")
+        path = context.loss_path
+        why = chunked_loss_unsupported(accelerator.unwrap_model(teacher)) if path == "chunked" else None
+        if why is not None:
+            path = "full_logits"
+            accelerator.print(f"distill: both models' full logits, as the teacher's cannot be chunked: {why}")
+        once = True
+        if self.cfg.on_policy_fraction > 0:
+            once, line = gathers_once(accelerator.unwrap_model(context.model), accelerator)
+            accelerator.print(line)
+        objective = Distill(
+            self.cfg, path, teacher, context.tokenizer, context.recipe.train.seed, self.data.max_length, once
+        )
+        return objective, lambda: None

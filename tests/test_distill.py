@@ -1,0 +1,281 @@
+"""Distillation (`distill:`): the divergences against TRL's GKDTrainer, the chunked path against full logits, the
+prompts an on-policy step completes, the settings refused, and real runs: 1 process vs 2 (the same completions and
+weights), resumed on another process count."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import DISTILL_RECIPE, LaunchedRun, launch
+from safetensors.torch import load_file
+
+from finetune.batch import IGNORE
+from finetune.config import ConfigError, load_recipe
+from finetune.data.pack import collate_packed
+from finetune.data.rollout import reply_prompts
+from finetune.divergence import Spec, distill_losses, token_divergence
+from finetune.objectives.distill import on_policy
+
+# ---- The loss against TRL's GKDTrainer.generalized_jsd_loss, on the same logits.
+
+
+@pytest.mark.parametrize(
+    ("divergence", "beta"), [("forward_kl", 0.0), ("reverse_kl", 1.0), ("jsd", 0.5), ("jsd", 0.1)]
+)
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_each_divergence_and_its_gradient_equal_trl_gkd(divergence, beta, temperature):
+    from trl.experimental.gkd.gkd_trainer import GKDTrainer
+
+    torch.manual_seed(0)
+    student = (torch.randn(3, 5, 40) * 3).requires_grad_()
+    teacher = torch.randn(3, 5, 40) * 3
+    labels = torch.randint(0, 40, (3, 5))
+    labels[0, :2] = labels[2, 4] = IGNORE
+    expected = GKDTrainer.generalized_jsd_loss(student, teacher, labels, beta=beta, temperature=temperature)
+    (expected_grad,) = torch.autograd.grad(expected, student)
+    kept = labels != IGNORE
+    spec = Spec(divergence, beta if divergence == "jsd" else 0.5, temperature)
+    ours = token_divergence(student[kept], teacher[kept], spec)
+    assert ours.shape == (int(kept.sum()),) and (ours >= 0).all()
+    mean = ours.sum() / kept.sum()
+    (grad,) = torch.autograd.grad(mean, student)
+    torch.testing.assert_close(mean, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7)
+
+
+def _tiny(seed: int, hidden: int, layers: int, vocab: int = 48):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def _packed_batch(vocab: int = 48) -> dict[str, torch.Tensor]:
+    """Two rows of packed samples (prompt tokens untrained, replies trained), the second row padded."""
+    generator = torch.Generator().manual_seed(3)
+    rows = []
+    for lengths in ((7, 9), (11,)):
+        ids, targets, positions = [], [], []
+        for length in lengths:
+            sample = torch.randint(3, vocab, (length,), generator=generator).tolist()
+            ids += sample
+            targets += [IGNORE] * 3 + sample[4:] + [IGNORE]  # the reply: from the 5th token on
+            positions += list(range(length))
+        padding = 16 - len(ids)
+        rows.append({"input_ids": ids + [0] * padding, "target_ids": targets + [IGNORE] * padding,
+                     "position_ids": positions + [0] * padding, "num_tokens": len(ids)})  # fmt: skip
+    return collate_packed(rows)
+
+
+@pytest.mark.parametrize(("divergence", "sft_weight"), [("forward_kl", 0.0), ("reverse_kl", 0.5), ("jsd", 0.3)])
+def test_the_chunked_path_equals_full_logits_in_loss_and_gradients(monkeypatch, divergence, sft_weight):
+    """A chunk of 2 rows at a time (patched), against both models' logits whole: the same token losses and the same
+    gradients of every student parameter; the teacher gets none."""
+    import finetune.divergence
+
+    monkeypatch.setattr(finetune.divergence, "chunk_rows", lambda vocab, device: 8)
+    teacher, student = _tiny(0, 32, 3), _tiny(1, 16, 2)
+    teacher.requires_grad_(False)
+    batch = _packed_batch()
+    spec = Spec(divergence, 0.4, 1.5, sft_weight)
+    results = {}
+    for path in ("full_logits", "chunked"):
+        student.zero_grad()
+        losses = distill_losses(student, teacher, batch, path, spec)
+        losses.total.backward()
+        grads = {name: p.grad.clone() for name, p in student.named_parameters()}
+        results[path] = (losses, grads)
+    (full, full_grads), (chunked, chunked_grads) = results["full_logits"], results["chunked"]
+    assert full.divergence.shape == (int((batch["target_ids"] != IGNORE).sum()),)
+    torch.testing.assert_close(chunked.total, full.total, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(chunked.divergence, full.divergence, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(chunked.cross_entropy, full.cross_entropy, rtol=1e-5, atol=1e-6)
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert all(p.grad is None for p in teacher.parameters())
+
+
+def test_a_lora_student_trains_its_adapters_alone_on_the_chunked_path():
+    from peft import LoraConfig, get_peft_model
+
+    teacher, student = _tiny(0, 32, 3), _tiny(1, 16, 2)
+    teacher.requires_grad_(False)
+    student = get_peft_model(student, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    batch = _packed_batch()
+    spec = Spec("reverse_kl", 0.5, 1.0)
+    chunked = distill_losses(student, teacher, batch, "chunked", spec)
+    chunked.total.backward()
+    trained = {name for name, p in student.named_parameters() if p.grad is not None}
+    assert trained and all("lora_" in name for name in trained)
+    grads = {name: p.grad.clone() for name, p in student.named_parameters() if p.grad is not None}
+    student.zero_grad()
+    full = distill_losses(student, teacher, batch, "full_logits", spec)
+    full.total.backward()
+    torch.testing.assert_close(chunked.total, full.total, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, dict(student.named_parameters())[name].grad, rtol=1e-4, atol=1e-6)
+
+
+# ---- What an on-policy step completes, and which steps are on-policy.
+
+
+def test_an_on_policy_step_completes_each_samples_prompt_before_its_last_reply():
+    """Packed rows (samples told apart by positions restarting) and padded ones: each sample's tokens before its
+    last run of trained targets; a sample that trains nothing gives none; earlier replies are part of the prompt."""
+    ids = [10, 11, 12, 13, 14, 15, 16, 17, 20, 21, 22, 23, 0, 0]
+    targets = [IGNORE, 12, 13, IGNORE, IGNORE, 16, 17, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE]
+    positions = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 0, 0]
+    packed = {"input_ids": torch.tensor([ids]), "target_ids": torch.tensor([targets]),
+              "position_ids": torch.tensor([positions]), "row_tokens": torch.tensor([12])}  # fmt: skip
+    # The first sample: a reply (12, 13) then another (16, 17) trained; its prompt is everything before the last one.
+    assert reply_prompts(packed) == [[10, 11, 12, 13, 14, 15]]
+    padded = {
+        "input_ids": torch.tensor([[5, 6, 7, 8], [5, 9, 0, 0]]),
+        "target_ids": torch.tensor([[IGNORE, 7, 8, IGNORE], [9, IGNORE, IGNORE, IGNORE]]),
+        "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]),
+    }
+    assert reply_prompts(padded) == [[5, 6], [5]]
+
+
+def test_on_policy_steps_are_drawn_from_the_seed_and_step_alone():
+    assert not any(on_policy(42, step, 0.0) for step in range(1, 200))
+    assert all(on_policy(42, step, 1.0) for step in range(1, 200))
+    drawn = [on_policy(42, step, 0.3) for step in range(1, 1001)]
+    assert 250 < sum(drawn) < 350 and drawn == [on_policy(42, step, 0.3) for step in range(1, 1001)]
+    assert drawn != [on_policy(7, step, 0.3) for step in range(1, 1001)]
+
+
+# ---- Settings a run cannot honour: one line each, before anything loads.
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["distill.on_policy_fraction=1.5"], "distill.on_policy_fraction must be in [0, 1]"),
+        (["distill.on_policy_fraction=0.5"], "set distill.max_new_tokens"),
+        (["distill.divergence=jsd", "distill.beta=1.0"], "distill.beta must be in (0, 1) for divergence: jsd"),
+        (["distill.divergence=reverse_kl", "distill.beta=0.2"], "distill.beta weighs divergence: jsd"),
+        (["distill.temperature=0"], "distill.temperature must be > 0"),
+        (["distill.max_new_tokens=8"], "distill.max_new_tokens is read by on-policy steps only"),
+        (["distill.on_policy_fraction=1", "distill.max_new_tokens=128"], "leaves no room for prompts"),
+        (["distill.teacher=outputs/demo/student"], "distill.teacher is the student's own model"),
+        (["preference.loss=dpo"], "a distill section trains by its own objective; remove preference"),
+    ],
+)
+def test_distill_settings_a_run_cannot_honour_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        load_recipe(DISTILL_RECIPE, ["distill.on_policy_fraction=0", "distill.max_new_tokens=null", *overrides])
+
+
+# ---- Real runs: the demo's partly trained model teaches the demo's student, half the steps on its own completions,
+# on 1 process and 2, and resumed on the other process count.
+
+
+def _distill(tmp_path_factory, assets, teacher, name: str, processes: int, output_dir=None, config=None, **extra):
+    output_dir = output_dir or tmp_path_factory.mktemp(name) / "out"
+    values = {
+        "model.name_or_path": assets / "student", "distill.teacher": teacher,
+        "data.train_path": assets / "data" / "train.jsonl", "data.eval_path": assets / "data" / "eval.jsonl",
+        "output.dir": output_dir, "output.trackers": "[]", "eval.generate": "null",
+        "train.max_steps": 4, "train.eval_every_steps": 4, "train.log_every_steps": 1, "optim.warmup_steps": 0,
+        "train.global_batch_size": 8, "train.micro_batch_size": 4, "checkpoint.save_every_steps": 2,
+        "distill.divergence": "jsd", "distill.beta": 0.3, "distill.temperature": 1.5, "distill.sft_weight": 0.2,
+        **extra,
+    }  # fmt: skip
+    config = config or ("single_gpu.yaml" if processes == 1 else "fsdp2_full_shard.yaml")
+    result = launch(config, [f"{k}={v}" for k, v in values.items()], num_processes=processes, recipe=DISTILL_RECIPE)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return LaunchedRun(result, output_dir)
+
+
+@pytest.fixture(scope="module")
+def distill_runs(tmp_path_factory, demo_assets, partly_trained) -> tuple[LaunchedRun, LaunchedRun]:
+    one = _distill(tmp_path_factory, demo_assets, partly_trained, "distill1", 1)
+    two = _distill(tmp_path_factory, demo_assets, partly_trained, "distill2", 2)
+    return one, two
+
+
+def _per_step(run: LaunchedRun) -> dict[int, dict[str, float]]:
+    timed = ("tokens_per_second", "step_seconds", "step", "fill", "generation/tokens_per_second")
+    return {m["step"]: {k: v for k, v in m.items() if k not in timed} for m in run.metrics() if "loss" in m}
+
+
+@pytest.mark.multiprocess
+def test_distillation_samples_and_trains_the_same_on_one_process_and_two(distill_runs):
+    one, two = distill_runs
+    steps = _per_step(one)
+    # The seed's draw at a fraction of 0.5: steps 1 and 4 on the student's completions, 2 and 3 on the data.
+    assert [steps[s]["on_policy"] for s in (1, 2, 3, 4)] == [1.0, 0.0, 0.0, 1.0]
+    assert 0 < steps[1]["completions/mean_length"] <= 16 and "completions/mean_length" not in steps[2]
+    assert all(steps[s]["divergence"] > 0 and steps[s]["cross_entropy"] > 0 for s in steps)
+    for step, values in _per_step(two).items():  # the same completions, losses and updates
+        assert values == pytest.approx(steps[step], rel=1e-4, abs=1e-6), step
+    first, second = (load_file(run.output_dir / "final" / "model.safetensors") for run in distill_runs)
+    assert max((first[k] - second[k]).abs().max().item() for k in first) < 1e-5
+    (evaluated,) = [m for m in one.metrics() if "eval_loss" in m]
+    (evaluated_two,) = [m for m in two.metrics() if "eval_loss" in m]
+    assert evaluated == pytest.approx(evaluated_two) and evaluated["eval_divergence"] > 0
+    loss = evaluated["eval_divergence"] + 0.2 * evaluated["eval_cross_entropy"]
+    assert evaluated["eval_loss"] == pytest.approx(loss)
+    assert "teacher: " in two.log and "frozen, sharded as the policy over a 2 mesh (distill.teacher)" in two.log
+    # An export is the student's folder: its config, not the teacher's.
+    exported = json.loads((two.output_dir / "final" / "config.json").read_text())
+    assert exported["hidden_size"] == 64 and exported["num_hidden_layers"] == 2
+
+
+@pytest.mark.multiprocess
+def test_distillation_resumes_exactly_on_another_process_count(distill_runs, tmp_path_factory, demo_assets,
+                                                               partly_trained):  # fmt: skip
+    _, two = distill_runs
+    output_dir = tmp_path_factory.mktemp("distill_resumed") / "out"
+    shutil.copytree(two.output_dir / "checkpoints" / "step_2", output_dir / "checkpoints" / "step_2")
+    resumed = _distill(tmp_path_factory, demo_assets, partly_trained, "", 1, output_dir, "fsdp2_full_shard.yaml",
+                       **{"checkpoint.resume": "auto"})  # fmt: skip
+    expected = _per_step(two)
+    assert sorted(_per_step(resumed)) == [3, 4]
+    for step, values in _per_step(resumed).items():
+        assert values == pytest.approx(expected[step], rel=1e-4, abs=1e-6), step
+    final, wanted = (load_file(run.output_dir / "final" / "model.safetensors") for run in (resumed, two))
+    assert max((final[k] - wanted[k]).abs().max().item() for k in final) < 1e-5
+
+
+def test_the_plan_counts_the_teacher_sharded_as_the_model_and_its_head_beside_the_step(demo_assets):
+    from helpers import CONFIGS
+
+    from finetune.launch import read_launch
+    from finetune.plan import estimate, recipe_shape
+
+    settings = [f"model.name_or_path={demo_assets / 'student'}", f"distill.teacher={demo_assets / 'base'}",
+                f"data.train_path={demo_assets / 'data' / 'train.jsonl'}", "data.eval_path=null",
+                "eval.generate=null"]  # fmt: skip
+    recipe = load_recipe(DISTILL_RECIPE, settings)
+    alone = load_recipe(DISTILL_RECIPE, [*settings, "distill=null"])
+    launch = read_launch(CONFIGS / "fsdp2_full_shard.yaml", 2, 1)
+    shape, student = recipe_shape(recipe), recipe_shape(alone)
+    assert (shape.parameters, shape.teacher, student.teacher) == (134_208, 858_752, 0)
+    with_teacher, without = (estimate(s, r, launch, "full_shard") for s, r in ((shape, recipe), (student, alone)))
+    assert with_teacher.parameters - without.parameters == 858_752 * 4 // 2  # fp32, over 2 processes
+    head_and_hidden = (shape.vocab + 8 * 128) * 128 * 2  # bf16 compute: the teacher's head copy, its hidden states
+    assert with_teacher.activations - without.activations == head_and_hidden
+
+
+def test_launches_distillation_cannot_run_are_refused_before_anything_loads():
+    from finetune.launch import environment_problems
+
+    recipe = load_recipe(DISTILL_RECIPE, ["eval.generate=null"])  # on-policy half the steps
+    (problem,) = environment_problems(recipe, {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "WORLD_SIZE": "2"})
+    assert "on-policy distillation (distill.on_policy_fraction > 0) generates under FSDP2" in problem
+    off_policy = load_recipe(DISTILL_RECIPE, ["eval.generate=null", "distill.on_policy_fraction=0",
+                                              "distill.max_new_tokens=null"])  # fmt: skip
+    assert environment_problems(off_policy, {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}) == []
+    split = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "WORLD_SIZE": "2",
+             "ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_SP_SIZE": "2"}  # fmt: skip
+    problems = environment_problems(load_recipe(DISTILL_RECIPE, ["model.attn_implementation=varlen"]), split)
+    assert any("distillation (distill) runs its teacher on whole rows" in p for p in problems), problems
