@@ -79,6 +79,9 @@ def test_make_bench_runs_every_comparison(tmp_path):
     assert set(grpo["median"]) == {"finetune_ddp", "finetune_fsdp2", "trl"} and grpo["prompt_tokens"] > 100
     assert all(positive(v) for run in grpo["ratios"].values() for v in run.values())
     assert all(positive(grpo["median"][name]["completion_tokens"]) for name in ("finetune_ddp", "finetune_fsdp2"))
+    distill = results["distill"]  # distillation against TRL's GKDTrainer, on the data's replies and on-policy
+    assert set(distill["median"]) == {"off_finetune_ddp", "on_finetune_fsdp2", "off_trl", "on_trl"}
+    assert all(positive(v) for ratio in distill["ratios"].values() for v in ratio.values())
 
 
 def test_make_bench_reruns_one_comparison_alone(tmp_path):
