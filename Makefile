@@ -267,7 +267,7 @@ bench-gpu: $(STAMP) ## Llama-3.2-1B shape, bf16, seq 2048, all GPUs (one: no FSD
 	$(OFFLINE) $(PY) bench/gpu.py $(if $(PROFILE),--profile $(PROFILE))
 
 test: lint ## lint, then the test suite (CPU only; multi-process tests use 2 processes over gloo)
-	$(OFFLINE) $(PY) -m pytest
+	$(OFFLINE) $(PY) -m pytest --durations 15
 
 test-fast: lint ## the tests that start no distributed launch (seconds to minutes; a test that launches fails here)
 	FINETUNE_FAST_TESTS=1 $(OFFLINE) $(PY) -m pytest -m "not multiprocess"

@@ -1,6 +1,6 @@
 """Distillation (`distill:`): the divergences against TRL's GKDTrainer, the chunked path against full logits, the
-prompts an on-policy step completes, the settings refused, and real runs: 1 process vs 2 (the same completions and
-weights), resumed on another process count."""
+prompts an on-policy step completes, the settings refused, the plan, and a real run on 2 processes resumed on 1 (the
+same completions and weights)."""
 
 from __future__ import annotations
 
@@ -174,8 +174,8 @@ def test_distill_settings_a_run_cannot_honour_are_refused(overrides, message):
         load_recipe(DISTILL_RECIPE, ["distill.on_policy_fraction=0", "distill.max_new_tokens=null", *overrides])
 
 
-# ---- Real runs: the demo's partly trained model teaches the demo's student, half the steps on its own completions,
-# on 1 process and 2, and resumed on the other process count.
+# ---- A real run: the demo's partly trained model teaches the demo's student, half the steps on its own completions,
+# on 2 processes, and resumed on 1.
 
 
 def _distill(tmp_path_factory, assets, teacher, name: str, processes: int, output_dir=None, config=None, **extra):
@@ -196,10 +196,8 @@ def _distill(tmp_path_factory, assets, teacher, name: str, processes: int, outpu
 
 
 @pytest.fixture(scope="module")
-def distill_runs(tmp_path_factory, demo_assets, partly_trained) -> tuple[LaunchedRun, LaunchedRun]:
-    one = _distill(tmp_path_factory, demo_assets, partly_trained, "distill1", 1)
-    two = _distill(tmp_path_factory, demo_assets, partly_trained, "distill2", 2)
-    return one, two
+def distill_run(tmp_path_factory, demo_assets, partly_trained) -> LaunchedRun:
+    return _distill(tmp_path_factory, demo_assets, partly_trained, "distill2", 2)
 
 
 def _per_step(run: LaunchedRun) -> dict[int, dict[str, float]]:
@@ -208,42 +206,37 @@ def _per_step(run: LaunchedRun) -> dict[int, dict[str, float]]:
 
 
 @pytest.mark.multiprocess
-def test_distillation_samples_and_trains_the_same_on_one_process_and_two(distill_runs):
-    one, two = distill_runs
-    steps = _per_step(one)
+def test_distillation_resumed_on_one_process_samples_and_trains_as_on_two(
+    distill_run, tmp_path_factory, demo_assets, partly_trained
+):
+    """The 2-process run's checkpoint at step 2 resumed on 1 process: its steps 3 (the data's) and 4 (the student's
+    own completions, sampled on one process where two sampled them before) log and train what the 2-process run's
+    did, to its final weights: 1 process and 2 alike, and the resume exact and elastic."""
+    steps = _per_step(distill_run)
     # The seed's draw at a fraction of 0.5: steps 1 and 4 on the student's completions, 2 and 3 on the data.
     assert [steps[s]["on_policy"] for s in (1, 2, 3, 4)] == [1.0, 0.0, 0.0, 1.0]
     assert 0 < steps[1]["completions/mean_length"] <= 16 and "completions/mean_length" not in steps[2]
     assert all(steps[s]["divergence"] > 0 and steps[s]["cross_entropy"] > 0 for s in steps)
-    for step, values in _per_step(two).items():  # the same completions, losses and updates
-        assert values == pytest.approx(steps[step], rel=1e-4, abs=1e-6), step
-    first, second = (load_file(run.output_dir / "final" / "model.safetensors") for run in distill_runs)
-    assert max((first[k] - second[k]).abs().max().item() for k in first) < 1e-5
-    (evaluated,) = [m for m in one.metrics() if "eval_loss" in m]
-    (evaluated_two,) = [m for m in two.metrics() if "eval_loss" in m]
-    assert evaluated == pytest.approx(evaluated_two) and evaluated["eval_divergence"] > 0
-    loss = evaluated["eval_divergence"] + 0.2 * evaluated["eval_cross_entropy"]
-    assert evaluated["eval_loss"] == pytest.approx(loss)
-    assert "teacher: " in two.log and "frozen, sharded as the policy over a 2 mesh (distill.teacher)" in two.log
-    # An export is the student's folder: its config, not the teacher's.
-    exported = json.loads((two.output_dir / "final" / "config.json").read_text())
-    assert exported["hidden_size"] == 64 and exported["num_hidden_layers"] == 2
-
-
-@pytest.mark.multiprocess
-def test_distillation_resumes_exactly_on_another_process_count(distill_runs, tmp_path_factory, demo_assets,
-                                                               partly_trained):  # fmt: skip
-    _, two = distill_runs
     output_dir = tmp_path_factory.mktemp("distill_resumed") / "out"
-    shutil.copytree(two.output_dir / "checkpoints" / "step_2", output_dir / "checkpoints" / "step_2")
+    shutil.copytree(distill_run.output_dir / "checkpoints" / "step_2", output_dir / "checkpoints" / "step_2")
     resumed = _distill(tmp_path_factory, demo_assets, partly_trained, "", 1, output_dir, "fsdp2_full_shard.yaml",
                        **{"checkpoint.resume": "auto"})  # fmt: skip
-    expected = _per_step(two)
     assert sorted(_per_step(resumed)) == [3, 4]
     for step, values in _per_step(resumed).items():
-        assert values == pytest.approx(expected[step], rel=1e-4, abs=1e-6), step
-    final, wanted = (load_file(run.output_dir / "final" / "model.safetensors") for run in (resumed, two))
+        assert values == pytest.approx(steps[step], rel=1e-4, abs=1e-6), step
+    final, wanted = (load_file(run.output_dir / "final" / "model.safetensors") for run in (resumed, distill_run))
     assert max((final[k] - wanted[k]).abs().max().item() for k in final) < 1e-5
+    (evaluated,) = [m for m in distill_run.metrics() if "eval_loss" in m]
+    (evaluated_one,) = [m for m in resumed.metrics() if "eval_loss" in m]
+    assert evaluated == pytest.approx(evaluated_one) and evaluated["eval_divergence"] > 0  # each sample once
+    loss = evaluated["eval_divergence"] + 0.2 * evaluated["eval_cross_entropy"]
+    assert evaluated["eval_loss"] == pytest.approx(loss)
+    assert "teacher: " in distill_run.log and "frozen, sharded as the policy over a 2 mesh (distill.teacher)" in (
+        distill_run.log
+    )
+    # An export is the student's folder: its config, not the teacher's.
+    exported = json.loads((distill_run.output_dir / "final" / "config.json").read_text())
+    assert exported["hidden_size"] == 64 and exported["num_hidden_layers"] == 2
 
 
 def test_the_plan_counts_the_teacher_sharded_as_the_model_and_its_head_beside_the_step(demo_assets):
