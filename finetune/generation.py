@@ -212,6 +212,32 @@ def complete(
     return completions
 
 
+def sample_rollout(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    tokenizer: PreTrainedTokenizerBase,
+    accelerator: Accelerator,
+    max_new_tokens: int,
+    sampling: Sampling,
+    gather_once: bool,
+    group: int = 1,
+) -> list[list[int]]:
+    """The prompts' completions sampled as a training objective's rollout takes them (online RL's, on-policy
+    distillation's; a collective): the model in eval mode, without gradients, inside `generating` (parameters
+    gathered once, or decoding in lock-step), its training mode restored after."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad(), generating(model, gather_once=gather_once) as lock_step:
+        completions = complete(model, prompts, tokenizer, accelerator, max_new_tokens, sampling, lock_step, group)
+    model.train(was_training)
+    return completions
+
+
+def cut_short(completions: list[list[int]], stops: list[int]) -> list[bool]:
+    """Whether each completion was cut at a length limit: it does not end with one of the `stops`."""
+    return [not c or c[-1] not in stops for c in completions]
+
+
 def decodes_itself(model: torch.nn.Module) -> bool:
     """Whether `complete` decodes `model` with its own loop (a KV cache of transformers' default kind, and a
     forward that computes only the logits asked for); else with transformers' `generate`."""

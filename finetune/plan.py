@@ -160,9 +160,10 @@ def planned_model(recipe: RecipeConfig) -> PreTrainedModel:
     return model
 
 
-def recipe_shape(recipe: RecipeConfig) -> ModelShape:
-    """The shape of the recipe's model, with its distillation teacher's size when it has one."""
-    shape = model_shape(planned_model(recipe))
+def recipe_shape(recipe: RecipeConfig, model: PreTrainedModel | None = None) -> ModelShape:
+    """The shape of the recipe's model (`model`, where the caller built it already), with its distillation teacher's
+    size when it has one."""
+    shape = model_shape(model if model is not None else planned_model(recipe))
     if recipe.distill is None:
         return shape
     cfg = ModelConfig(name_or_path=recipe.distill.teacher, config_file=recipe.distill.teacher_config_file,
@@ -650,7 +651,7 @@ def check(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     problems = model_problems(model.config, launch.sequence_parallel)
     if problems:
         raise FinetuneError(f"cannot train with {launch.config_path}: " + "; ".join(problems))
-    shape = recipe_shape(recipe)
+    shape = recipe_shape(recipe, model)
     source = recipe.model.config_file or recipe.model.name_or_path
     lines = [f"model: {shape.name} from {source}, {shape.parameters:,} parameters{_trainable(shape)}"]
     if launch.strategy != "ddp" and launch.wrap_policy == "TRANSFORMER_BASED_WRAP":

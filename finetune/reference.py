@@ -127,9 +127,9 @@ def frozen_model(
     model: ModelConfig, name_or_path: str, accelerator: Accelerator, setting: str, role: str = "reference"
 ) -> torch.nn.Module:
     """A second model to compare with or learn from (`setting` names what asked for it and `role` what it is, for
-    the log): loaded as the policy's
-    config says (its dtype and attention), frozen, without dropout, in eval mode, routing as the policy does, and
-    sharded with the policy's per-layer units, so a forward gathers one layer at a time."""
+    the log): loaded as the policy's config says (its dtype and attention), frozen, without dropout, in eval mode,
+    routing as the policy does, and sharded with the policy's per-layer units, so a forward gathers one layer at a
+    time."""
     cfg = dataclasses.replace(model, name_or_path=name_or_path, config_file=None)
     reference = load_model(cfg, "none")
     reference.requires_grad_(False)

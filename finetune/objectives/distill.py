@@ -35,7 +35,7 @@ from finetune.data import SEQUENCES
 from finetune.data.pack import with_host_indices
 from finetune.data.rollout import reply_prompts, separate_rows
 from finetune.divergence import Spec, distill_losses
-from finetune.generation import Sampling, complete, gathers_once, generating, row_noise, stop_tokens
+from finetune.generation import Sampling, cut_short, gathers_once, row_noise, sample_rollout, stop_tokens
 from finetune.loss import LossPath, chunked_loss_unsupported, target_positions
 from finetune.reference import frozen_model
 from finetune.sequence import gather_rows
@@ -151,19 +151,15 @@ class Distill:
         """Each prompt's completion, sampled with its seed's noise and cut where its row would pass data.max_length."""
         new_tokens = self.cfg.max_new_tokens
         sampling = Sampling(self.cfg.temperature, 1.0, row_noise(seeds, new_tokens))
-        was_training = model.training
-        model.eval()
         began = time.perf_counter()
-        with torch.no_grad(), generating(model, gather_once=self.gather_once) as lock_step:
-            completions = complete(model, prompts, self.tokenizer, accelerator, new_tokens, sampling, lock_step)
-        model.train(was_training)
-        stops = stop_tokens(model, self.tokenizer)
+        once = self.gather_once
+        completions = sample_rollout(model, prompts, self.tokenizer, accelerator, new_tokens, sampling, once)
         completions = [c[: self.max_length - len(p)] for p, c in zip(prompts, completions, strict=True)]
         window = self.window
         window.seconds += time.perf_counter() - began
         window.completions += len(completions)
         window.tokens += sum(len(c) for c in completions)
-        window.truncated += sum(not c or c[-1] not in stops for c in completions)
+        window.truncated += sum(cut_short(completions, stop_tokens(model, self.tokenizer)))
         return completions
 
     @torch.no_grad()

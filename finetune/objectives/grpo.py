@@ -44,7 +44,16 @@ from finetune.data.prompt_only import PromptOnly
 from finetune.data.prompts import content_text
 from finetune.data.rollout import separate_rows, shared_rows
 from finetune.distributed import raised_together
-from finetune.generation import Sampling, complete, gathers_once, generating, row_noise, stop_tokens
+from finetune.generation import (
+    Sampling,
+    complete,
+    cut_short,
+    gathers_once,
+    generating,
+    row_noise,
+    sample_rollout,
+    stop_tokens,
+)
 from finetune.loss import LossPath, token_logps
 from finetune.model import disable_dropout
 from finetune.rewards import Reward, build_rewards, check_columns, score
@@ -483,17 +492,13 @@ class GRPO:
             for index in indices for n in range(generations)
         ]  # fmt: skip
         sampling = Sampling(self.cfg.temperature, self.cfg.top_p, row_noise(seeds, self.cfg.max_new_tokens))
-        was_training = model.training
-        model.eval()
         began = time.perf_counter()
-        with torch.no_grad(), generating(model, gather_once=self.gather_once) as lock_step:
-            completions = complete(
-                model, prompts, self.tokenizer, accelerator, self.cfg.max_new_tokens, sampling, lock_step, generations
-            )
-        model.train(was_training)
+        new_tokens, once = self.cfg.max_new_tokens, self.gather_once
+        completions = sample_rollout(
+            model, prompts, self.tokenizer, accelerator, new_tokens, sampling, once, generations
+        )
         seconds = time.perf_counter() - began
-        stops = stop_tokens(model, self.tokenizer)
-        truncated = [not c or c[-1] not in stops for c in completions]  # cut at max_new_tokens
+        truncated = cut_short(completions, stop_tokens(model, self.tokenizer))  # cut at max_new_tokens
         per_function = raised_together(accelerator, self._score, micro_batches, completions, generations)
         _, rewards, no_signal = advantages(per_function, self._weights, generations, "group")
         lengths = [len(c) for c in completions]
