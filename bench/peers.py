@@ -5,8 +5,43 @@ from __future__ import annotations
 
 import gc
 import json
+import time
+from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
+from transformers import TrainerCallback
+
+
+class StepClock(TrainerCallback):
+    """Wall time of each optimizer step, and what each of `counters` counts of the batches its collator made
+    (a number a batch, by name), summed over the step's batches and all processes."""
+
+    def __init__(self, counters: dict[str, Callable[[dict], int]]):
+        self.counters = counters
+        self.step_seconds: list[float] = []
+        self.counted: dict[str, list[int]] = {name: [] for name in counters}
+        self.counts = torch.zeros(len(counters), dtype=torch.int64)
+        self.began = 0.0
+
+    def count(self, batch: dict) -> dict:
+        self.counts += torch.tensor([counter(batch) for counter in self.counters.values()])
+        return batch
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.began = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_seconds.append(time.perf_counter() - self.began)
+        dist.all_reduce(self.counts)
+        for name, value in zip(self.counters, self.counts.tolist(), strict=True):
+            self.counted[name].append(value)
+        self.counts = torch.zeros(len(self.counters), dtype=torch.int64)
+
+
+def target_tokens(batch: dict) -> int:
+    """The positions with a label (the model shifts labels by one)."""
+    return int((batch["labels"][:, 1:] != -100).sum())
 
 
 def write_steps(path: str, step_seconds: list[float], **counts: list[int] | float) -> None:

@@ -22,35 +22,9 @@ import time
 import datasets
 import torch
 import torch.distributed as dist
-from peers import close_ddp, lora_settings, train_counted, trainer_settings, write_steps
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from peers import StepClock, close_ddp, lora_settings, train_counted, trainer_settings, write_steps
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
-
-
-class StepClock(TrainerCallback):
-    """Wall time of each optimizer step, and the token slots (padding included) and real tokens its batches held,
-    over all processes: what the step computed on."""
-
-    def __init__(self):
-        self.step_seconds: list[float] = []
-        self.slots: list[int] = []
-        self.tokens: list[int] = []
-        self.counts = torch.zeros(2, dtype=torch.int64)
-        self.began = 0.0
-
-    def count(self, batch: dict) -> dict:
-        self.counts += torch.tensor([batch["input_ids"].numel(), int(batch["attention_mask"].sum())])
-        return batch
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.began = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.step_seconds.append(time.perf_counter() - self.began)
-        dist.all_reduce(self.counts)
-        self.slots.append(int(self.counts[0]))
-        self.tokens.append(int(self.counts[1]))
-        self.counts = torch.zeros(2, dtype=torch.int64)
 
 
 class PrecomputeClock:
@@ -82,7 +56,8 @@ def main(
         precompute_ref_log_probs=precompute,
     )  # fmt: skip
     precomputing = PrecomputeClock()
-    clock = StepClock()
+    # The token slots (padding included) and the real tokens each step computed on.
+    clock = StepClock({"slots": lambda b: b["input_ids"].numel(), "tokens": lambda b: int(b["attention_mask"].sum())})
     trainer = DPOTrainer(
         model=model, args=arguments, train_dataset=pairs, processing_class=tokenizer, peft_config=lora_settings(rank),
         callbacks=[clock],
@@ -90,7 +65,7 @@ def main(
     train_counted(trainer, clock.count)
     pairs = [micro_batch * dist.get_world_size()] * len(clock.step_seconds)
     write_steps(
-        out, clock.step_seconds, pairs=pairs, slots=clock.slots, tokens=clock.tokens,
+        out, clock.step_seconds, pairs=pairs, **clock.counted,
         precompute_seconds=precomputing.seconds,
     )  # fmt: skip
     del trainer, model  # before the process group goes (close_ddp)

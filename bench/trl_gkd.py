@@ -16,43 +16,14 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import datasets  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from peers import close_ddp, train_counted, trainer_settings, write_steps  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
+from peers import StepClock, close_ddp, target_tokens, train_counted, trainer_settings, write_steps  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl.experimental.gkd import GKDConfig, GKDTrainer  # noqa: E402
-
-
-class StepClock(TrainerCallback):
-    """Wall time of each optimizer step, and the samples and the data's target tokens its batches held, over all
-    processes."""
-
-    def __init__(self):
-        self.step_seconds: list[float] = []
-        self.samples: list[int] = []
-        self.target_tokens: list[int] = []
-        self.counts = torch.zeros(2, dtype=torch.int64)
-        self.began = 0.0
-
-    def count(self, batch: dict) -> dict:
-        targets = int((batch["labels"][:, 1:] != -100).sum())  # the model shifts labels by one
-        self.counts += torch.tensor([batch["input_ids"].shape[0], targets])
-        return batch
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.began = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.step_seconds.append(time.perf_counter() - self.began)
-        dist.all_reduce(self.counts)
-        self.samples.append(int(self.counts[0]))
-        self.target_tokens.append(int(self.counts[1]))
-        self.counts = torch.zeros(2, dtype=torch.int64)
 
 
 def main(
@@ -67,13 +38,13 @@ def main(
         **trainer_settings(out, micro_batch, steps, max_length), learning_rate=1e-4, lmbda=lmbda, beta=0.5,
         temperature=1.0, max_new_tokens=max_new_tokens, gradient_checkpointing=checkpointing,
     )  # fmt: skip
-    clock = StepClock()
+    clock = StepClock({"samples": lambda b: b["input_ids"].shape[0], "target_tokens": target_tokens})
     trainer = GKDTrainer(
         model=model, teacher_model=teacher_model, args=arguments, train_dataset=train, processing_class=tokenizer,
         callbacks=[clock],
     )  # fmt: skip
     train_counted(trainer, clock.count)
-    write_steps(out, clock.step_seconds, samples=clock.samples, target_tokens=clock.target_tokens)
+    write_steps(out, clock.step_seconds, **clock.counted)
     del trainer, model, teacher_model  # before the process group goes (close_ddp)
     close_ddp()
 

@@ -15,40 +15,14 @@ all processes) of every step. `router_aux`: a mixture of experts adds its router
 from __future__ import annotations
 
 import sys
-import time
 
 import datasets
 import torch
-import torch.distributed as dist
-from peers import close_ddp, lora_settings, train_counted, trainer_settings, write_steps
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from peers import StepClock, close_ddp, lora_settings, target_tokens, train_counted, trainer_settings, write_steps
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 from finetune.data import encode_chats
-
-
-class StepClock(TrainerCallback):
-    """Wall time and global target tokens of each optimizer step."""
-
-    def __init__(self):
-        self.step_seconds: list[float] = []
-        self.target_tokens: list[int] = []
-        self.targets = 0
-        self.began = 0.0
-
-    def count(self, batch: dict) -> dict:
-        self.targets += int((batch["labels"][:, 1:] != -100).sum())  # the model shifts labels by one
-        return batch
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.began = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.step_seconds.append(time.perf_counter() - self.began)
-        count = torch.tensor([self.targets])
-        dist.all_reduce(count)
-        self.target_tokens.append(int(count))
-        self.targets = 0
 
 
 def encode(batch: dict, tokenizer) -> dict:
@@ -82,13 +56,13 @@ def main(
         padding_free=True,
         completion_only_loss=True,
     )
-    clock = StepClock()
+    clock = StepClock({"target_tokens": target_tokens})
     trainer = SFTTrainer(
         model=model, args=arguments, train_dataset=train, processing_class=tokenizer, peft_config=lora_settings(rank),
         callbacks=[clock],
     )  # fmt: skip
     train_counted(trainer, clock.count)
-    write_steps(out, clock.step_seconds, target_tokens=clock.target_tokens)
+    write_steps(out, clock.step_seconds, **clock.counted)
     del trainer, model  # before the process group goes (close_ddp)
     close_ddp()
 
