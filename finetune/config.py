@@ -837,8 +837,24 @@ class DistillConfig:
     """Adds this x the cross-entropy of the trained tokens (the data's replies, or the model's own completions) to
     each token's divergence."""
 
+    teacher_top_k: int | None = None
+    """Off-policy only: the teacher's k most likely tokens at every trained position, with their log-probabilities,
+    computed once before the first step and cached beside the tokenized data under a key of the teacher's weights,
+    the rows and k (`finetune.teacher_table`); the divergence is then taken over those k tokens, both
+    distributions renormalized on them, and no teacher is in memory while training. None: the teacher runs beside
+    the student at every step, over the whole vocabulary."""
+
     def errors(self) -> list[str]:
         errors = []
+        if self.teacher_top_k is not None and self.teacher_top_k < 1:
+            errors.append(f"distill.teacher_top_k must be >= 1 (the teacher's tokens kept per position), got "
+                          f"{self.teacher_top_k}; or remove it to run the teacher at every step")  # fmt: skip
+        if self.teacher_top_k is not None and self.on_policy_fraction > 0:
+            errors.append(
+                "distill.teacher_top_k precomputes the teacher on the data's replies, but on-policy steps need it to "
+                "grade the student's own completions, which no table holds; remove teacher_top_k, or set "
+                "distill.on_policy_fraction=0"
+            )
         if self.divergence == "jsd" and not 0 < self.beta < 1:
             errors.append(
                 f"distill.beta must be in (0, 1) for divergence: jsd, got {self.beta}; its ends are divergence: "

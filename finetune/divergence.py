@@ -18,6 +18,10 @@ ever exist whole. The teacher's part of a chunk comes from its last hidden state
 copy of its output weight, taken inside its forward (where FSDP has gathered it). The chunk's gradients are taken
 in the forward by autograd over that chunk's logits alone: the loss is a sum of token losses, so backward only
 scales them.
+
+A precomputed teacher (`distill.teacher_top_k`, `finetune.teacher_table`) gives its k most likely tokens and their
+log-probabilities instead of logits: the divergence is then over those k tokens, both distributions renormalized
+on them (the student's logits gathered at the teacher's ids), on either path.
 """
 
 from __future__ import annotations
@@ -48,6 +52,16 @@ class Spec:
 
 
 @dataclass(frozen=True)
+class TopK:
+    """A precomputed teacher's part of a batch's trained tokens, in their order (`finetune.teacher_table`)."""
+
+    ids: torch.Tensor
+    """(tokens, k) the teacher's k most likely next tokens, most likely first."""
+    logps: torch.Tensor
+    """(tokens, k) their log-probabilities over the whole vocabulary, fp32."""
+
+
+@dataclass(frozen=True)
 class TokenLosses:
     total: torch.Tensor
     """The sum over the trained tokens of divergence + ce_weight x cross-entropy; differentiable."""
@@ -75,30 +89,42 @@ def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
 
 
-def _token_losses(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, spec: Spec):
-    """(loss, divergence, cross-entropy), each (tokens,), of rows of logits."""
-    divergence = token_divergence(student, teacher, spec)
+def _token_losses(
+    student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, spec: Spec, ids: torch.Tensor | None = None
+):
+    """(loss, divergence, cross-entropy), each (tokens,), of rows of logits. With the teacher's `ids` (its top k,
+    `teacher` then their log-probabilities), the divergence is over those tokens alone, both distributions
+    renormalized on them; the cross-entropy is the student's over the whole vocabulary."""
+    on = student.float().gather(-1, ids) if ids is not None else student
+    divergence = token_divergence(on, teacher, spec)
     cross_entropy = F.cross_entropy(student.float(), targets, reduction="none")
     return divergence + spec.ce_weight * cross_entropy, divergence, cross_entropy
 
 
 def distill_losses(
-    student: torch.nn.Module, teacher: torch.nn.Module, batch: Batch, path: LossPath, spec: Spec
+    student: torch.nn.Module, teacher: torch.nn.Module | TopK, batch: Batch, path: LossPath, spec: Spec
 ) -> TokenLosses:
-    """The batch's trained tokens' losses: the teacher's forward (no gradients), then the student's."""
+    """The batch's trained tokens' losses: the teacher's forward (no gradients), then the student's. A `TopK`
+    teacher is its table's entries for the batch (`finetune.teacher_table`): no forward, the divergence over them."""
     kept = target_positions(batch)
     targets = batch["target_ids"].reshape(-1).index_select(0, kept)
+    table = teacher if isinstance(teacher, TopK) else None
     if path == "full_logits":
-        with torch.no_grad():
-            teacher_logits = teacher(**model_inputs(teacher, batch), use_cache=False).logits
-        logits = student(**model_inputs(student, batch), use_cache=False).logits
+        if table is None:
+            with torch.no_grad():
+                teacher_logits = teacher(**model_inputs(teacher, batch), use_cache=False).logits
+            teacher_rows = teacher_logits.flatten(0, 1).index_select(0, kept)
+        logits = student(**model_inputs(student, batch), use_cache=False).logits.flatten(0, 1).index_select(0, kept)
         losses, divergence, cross_entropy = _token_losses(
-            logits.flatten(0, 1).index_select(0, kept), teacher_logits.flatten(0, 1).index_select(0, kept), targets,
-            spec,
-        )  # fmt: skip
+            logits, table.logps if table else teacher_rows, targets, spec, table.ids if table else None
+        )
         return TokenLosses(losses.sum(), divergence.detach(), cross_entropy.detach())
-    with torch.no_grad(), _head_keeps(output_head(teacher), kept) as kept_teacher:
-        teacher(**model_inputs(teacher, batch), use_cache=False, logits_to_keep=0)
+    if table is None:
+        with torch.no_grad(), head_inputs(output_head(teacher), kept) as captured:
+            teacher(**model_inputs(teacher, batch), use_cache=False, logits_to_keep=0)
+        teacher_part: tuple[torch.Tensor | None, ...] = (*captured, None, None)
+    else:
+        teacher_part = (None, None, None, table.logps, table.ids)
     head = output_head(student)
     parts: list[torch.Tensor] = []
 
@@ -106,7 +132,7 @@ def distill_losses(
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, kept)
         with_grads = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
         total, divergence, cross_entropy = _LinearDistill.apply(
-            hidden, head.weight, head.bias, *kept_teacher, targets, spec, with_grads
+            hidden, head.weight, head.bias, *teacher_part, targets, spec, with_grads
         )
         parts.extend((divergence, cross_entropy))
         return torch.stack([total])  # a new tensor leaving the unit, as finetune.loss's head returns
@@ -117,7 +143,7 @@ def distill_losses(
 
 
 @contextlib.contextmanager
-def _head_keeps(head: torch.nn.Linear, kept: torch.Tensor) -> Iterator[list[torch.Tensor | None]]:
+def head_inputs(head: torch.nn.Linear, kept: torch.Tensor) -> Iterator[list[torch.Tensor | None]]:
     """While inside, the teacher's head, called by its forward, keeps what a chunk of its logits is made of: its last
     hidden states at the `kept` positions, and copies of its weight and bias (gathered inside the forward, and
     resharded after it: a copy outlives that)."""
@@ -136,8 +162,9 @@ def _head_keeps(head: torch.nn.Linear, kept: torch.Tensor) -> Iterator[list[torc
 class _LinearDistill(torch.autograd.Function):
     """sum over rows of divergence(hidden @ weight.T + bias, teacher_hidden @ teacher_weight.T + teacher_bias)
     + ce_weight x cross-entropy, a chunk of rows at a time; returns (sum, per-row divergences, per-row
-    cross-entropies). With gradients asked for, each chunk's gradients with respect to the student's hidden states,
-    weight and bias are computed while its logits exist; backward scales them."""
+    cross-entropies). A table's teacher comes as its log-probabilities and their ids instead of hidden states and a
+    head: the divergence is then over those ids. With gradients asked for, each chunk's gradients with respect to the
+    student's hidden states, weight and bias are computed while its logits exist; backward scales them."""
 
     @staticmethod
     def forward(
@@ -145,9 +172,11 @@ class _LinearDistill(torch.autograd.Function):
         hidden: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        teacher_hidden: torch.Tensor,
-        teacher_weight: torch.Tensor,
+        teacher_hidden: torch.Tensor | None,
+        teacher_weight: torch.Tensor | None,
         teacher_bias: torch.Tensor | None,
+        table_logps: torch.Tensor | None,
+        table_ids: torch.Tensor | None,
         targets: torch.Tensor,
         spec: Spec,
         with_grads: bool,
@@ -163,11 +192,14 @@ class _LinearDistill(torch.autograd.Function):
         for start in range(0, hidden.shape[0], rows):
             chunk = slice(start, start + rows)
             h = hidden[chunk]
-            teacher_logits = F.linear(teacher_hidden[chunk], teacher_weight, teacher_bias)
+            if table_ids is None:
+                teacher_logits, ids = F.linear(teacher_hidden[chunk], teacher_weight, teacher_bias), None
+            else:
+                teacher_logits, ids = table_logps[chunk], table_ids[chunk]
             logits = F.linear(h, weight, bias).float().requires_grad_(with_grads)
             with torch.enable_grad():
                 losses, divergence[chunk], cross_entropy[chunk] = _token_losses(
-                    logits, teacher_logits, targets[chunk], spec
+                    logits, teacher_logits, targets[chunk], spec, ids
                 )
                 summed = losses.sum()
                 if with_grads:
@@ -194,4 +226,4 @@ class _LinearDistill(torch.autograd.Function):
             (grad * grad_total).to(dtype) if needed else None
             for grad, dtype, needed in zip(ctx.saved_tensors, ctx.dtypes, ctx.needs_input_grad[:3], strict=True)
         ]
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)

@@ -17,6 +17,7 @@ from finetune.config import ConfigError, load_recipe
 from finetune.data.pack import collate_packed
 from finetune.data.rollout import reply_prompts
 from finetune.divergence import Spec, distill_losses, token_divergence
+from finetune.errors import FinetuneError
 from finetune.objectives.distill import on_policy
 
 # ---- The loss against TRL's GKDTrainer.generalized_jsd_loss, on the same logits.
@@ -123,6 +124,87 @@ def test_a_lora_student_trains_its_adapters_alone_on_the_chunked_path():
         torch.testing.assert_close(grad, dict(student.named_parameters())[name].grad, rtol=1e-4, atol=1e-6)
 
 
+# ---- The teacher's top-k table (distill.teacher_top_k): computed once, looked up by row.
+
+
+@pytest.mark.parametrize("path", ["full_logits", "chunked"])
+def test_a_table_of_the_whole_vocabulary_teaches_as_the_teacher_itself_and_a_top_k_over_its_tokens(path):
+    """With k the vocabulary, the table's divergence, cross-entropy and every student gradient are the live
+    teacher's; with k=5, the divergence is over the teacher's 5 likeliest tokens, both distributions renormalized
+    on them (computed here from both models' whole logits)."""
+    from finetune.loss import model_inputs
+    from finetune.teacher_table import teacher_top_k
+
+    teacher, student = _tiny(0, 32, 3), _tiny(1, 16, 2)
+    teacher.requires_grad_(False)
+    batch = _packed_batch()
+    spec = Spec("jsd", 0.3, 1.5, 0.2)
+
+    def losses_and_grads(grader):
+        student.zero_grad()
+        losses = distill_losses(student, grader, batch, path, spec)
+        losses.total.backward()
+        return losses, {name: p.grad.clone() for name, p in student.named_parameters()}
+
+    (live, live_grads), (table, table_grads) = map(losses_and_grads, (teacher, teacher_top_k(teacher, batch, 48)))
+    torch.testing.assert_close(table.divergence, live.divergence, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(table.cross_entropy, live.cross_entropy)
+    for name, grad in live_grads.items():
+        torch.testing.assert_close(table_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    top = teacher_top_k(teacher, batch, 5)
+    kept = batch["target_ids"].reshape(-1) != IGNORE
+    with torch.no_grad():
+        teacher_logits, student_logits = (
+            m(**model_inputs(m, batch), use_cache=False).logits for m in (teacher, student)
+        )
+    ids = teacher_logits.flatten(0, 1)[kept].topk(5).indices
+    assert torch.equal(top.ids, ids)
+    expected = token_divergence(student_logits.flatten(0, 1)[kept].gather(-1, ids), teacher_logits.flatten(0, 1)[kept]
+                                .gather(-1, ids), spec)  # fmt: skip
+    torch.testing.assert_close(losses_and_grads(top)[0].divergence, expected, rtol=1e-5, atol=1e-6)
+
+
+def _numbered_rows(first: int):
+    import datasets
+
+    batch = _packed_batch()
+    rows = [{"input_ids": batch["input_ids"][r].tolist(), "target_ids": batch["target_ids"][r].tolist(),
+             "position_ids": batch["position_ids"][r].tolist(), "num_tokens": int(batch["row_tokens"][r])}
+            for r in (1, 0, 1)]  # fmt: skip
+    return datasets.Dataset.from_list(rows).add_column("row_index", [first, first + 1, first + 2])
+
+
+def test_the_table_is_stored_under_its_key_read_back_by_row_and_never_read_for_another(tmp_path):
+    """Two splits (train and eval, numbered in one range) into one table: each row's entries are its own, looked up
+    by row in any order; a folder holding another key (another teacher, other rows, another k) is not read."""
+    import functools
+
+    from accelerate import Accelerator
+
+    from finetune.data import _with_row_index
+    from finetune.teacher_table import compute_table, read_table, table_folder, table_key, teacher_top_k
+
+    teacher = _tiny(0, 32, 3)
+    teacher.requires_grad_(False)
+    splits = [_numbered_rows(0), _numbered_rows(3)]
+    collate = functools.partial(_with_row_index, collate_packed)
+    assert table_key("teacher-a", splits, "no:float32", 4) != table_key("teacher-b", splits, "no:float32", 4)
+    key = table_key("teacher-a", splits, "no:float32", 4)
+    folder = table_folder(splits, key, 4, tmp_path)  # data in memory: the output folder
+    assert folder.parent == tmp_path and read_table(folder, key) is None
+    table = compute_table(teacher, splits, collate, Accelerator(cpu=True), 2, 4, folder, key)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]  # no partial folder left
+    assert table.ids.shape == (2 * (7 + 8 + 7), 4)  # each split: rows 1, 0, 1 of the packed batch (7, 8, 7 trained)
+    batch = collate(splits[1].select([2, 0]).to_list())
+    looked_up, computed = table.lookup(batch["row_index"], torch.device("cpu")), teacher_top_k(teacher, batch, 4)
+    assert torch.equal(looked_up.ids, computed.ids.long())
+    torch.testing.assert_close(looked_up.logps, computed.logps)
+    assert read_table(folder, key).logps.tolist() == table.logps.tolist()
+    assert read_table(folder, table_key("teacher-b", splits, "no:float32", 4)) is None
+    with pytest.raises(FinetuneError, match="teacher_top_k=49 is more than the teacher's 48 tokens"):
+        compute_table(teacher, splits, collate, Accelerator(cpu=True), 2, 49, folder, key)
+
+
 # ---- What an on-policy step completes, and which steps are on-policy.
 
 
@@ -167,6 +249,11 @@ def test_on_policy_steps_are_drawn_from_the_seed_and_step_alone():
         (["distill.on_policy_fraction=1", "distill.max_new_tokens=128"], "leaves no room for prompts"),
         (["distill.teacher=outputs/demo/student"], "distill.teacher is the student's own model"),
         (["preference.loss=dpo"], "a distill section trains by its own objective; remove preference"),
+        (["distill.teacher_top_k=0"], "distill.teacher_top_k must be >= 1"),
+        (
+            ["distill.teacher_top_k=8", "distill.on_policy_fraction=0.5", "distill.max_new_tokens=8"],
+            "on-policy steps need it to grade the student's own completions, which no table holds",
+        ),
     ],
 )
 def test_distill_settings_a_run_cannot_honour_are_refused(overrides, message):
@@ -237,6 +324,32 @@ def test_distillation_resumed_on_one_process_samples_and_trains_as_on_two(
     # An export is the student's folder: its config, not the teacher's.
     exported = json.loads((distill_run.output_dir / "final" / "config.json").read_text())
     assert exported["hidden_size"] == 64 and exported["num_hidden_layers"] == 2
+
+
+@pytest.mark.multiprocess
+def test_a_teacher_table_computed_on_two_processes_is_read_back_by_a_resume_on_one(
+    tmp_path_factory, demo_assets, partly_trained
+):
+    """distill.teacher_top_k: the table computed before the first step on 2 processes (rows dealt between them),
+    then read back, not recomputed, by the run's step-2 checkpoint resumed on 1 process, whose steps 3 and 4 and
+    evaluation (train and eval rows both looked up) are the 2-process run's, to its final weights."""
+    table = {"distill.teacher_top_k": 16, "distill.on_policy_fraction": 0, "distill.max_new_tokens": "null"}
+    two = _distill(tmp_path_factory, demo_assets, partly_trained, "table2", 2, **table)
+    output_dir = tmp_path_factory.mktemp("table_resumed") / "out"
+    shutil.copytree(two.output_dir / "checkpoints" / "step_2", output_dir / "checkpoints" / "step_2")
+    one = _distill(tmp_path_factory, demo_assets, partly_trained, "", 1, output_dir, "fsdp2_full_shard.yaml",
+                   **table, **{"checkpoint.resume": "auto"})  # fmt: skip
+    assert "teacher: its top 16 tokens at " in two.log and " computed in " in two.log
+    assert "teacher: its top 16 tokens at " in one.log and "frozen" not in one.log  # read, no teacher loaded
+    steps = _per_step(two)
+    assert all(steps[s]["divergence"] > 0 and steps[s]["on_policy"] == 0 for s in steps)
+    assert sorted(_per_step(one)) == [3, 4]
+    for step, values in _per_step(one).items():
+        assert values == pytest.approx(steps[step], rel=1e-4, abs=1e-6), step
+    final, wanted = (load_file(run.output_dir / "final" / "model.safetensors") for run in (one, two))
+    assert max((final[k] - wanted[k]).abs().max().item() for k in final) < 1e-5
+    (evaluated,), (evaluated_one,) = ([m for m in run.metrics() if "eval_loss" in m] for run in (two, one))
+    assert evaluated == pytest.approx(evaluated_one) and evaluated["eval_divergence"] > 0
 
 
 def test_the_plan_counts_the_teacher_sharded_as_the_model_and_its_head_beside_the_step(demo_assets):

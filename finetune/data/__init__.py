@@ -214,9 +214,11 @@ class Samples(Protocol):
 
 
 class Sequences:
-    """Token sequences with their trained targets: chat, prompt/completion or text, packed or padded."""
+    """Token sequences with their trained targets: chat, prompt/completion or text, packed or padded. Numbered, each
+    row (packed or a sample) has a `row_index`, train and eval in one range, which its batches carry."""
 
-    numbered = False
+    def __init__(self, numbered: bool = False):
+        self.numbered = numbered
 
     def prepare(
         self,
@@ -227,13 +229,23 @@ class Sequences:
         evaluation: bool = False,
         first_index: int = 0,
     ) -> tuple[datasets.Dataset, DataStats]:
-        return prepare_split(parts, tokenizer, cfg, seed, evaluation=evaluation)
+        rows, stats = prepare_split(parts, tokenizer, cfg, seed, evaluation=evaluation)
+        if self.numbered:
+            rows = rows.add_column("row_index", list(range(first_index, first_index + len(rows))))
+        return rows, stats
 
     def collate(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Callable[[list[dict]], dict]:
-        return collate_packed if cfg.packing else functools.partial(collate_padded, pad_id=tokenizer.pad_token_id)
+        collate = collate_packed if cfg.packing else functools.partial(collate_padded, pad_id=tokenizer.pad_token_id)
+        return functools.partial(_with_row_index, collate) if self.numbered else collate
+
+
+def _with_row_index(collate: Callable[[list[dict]], Batch], rows: list[dict]) -> Batch:
+    return collate(rows) | {"row_index": torch.tensor([row["row_index"] for row in rows])}
 
 
 SEQUENCES = Sequences()
+NUMBERED_SEQUENCES = Sequences(numbered=True)
+"""Sequences whose rows something is looked up by (a distillation teacher's precomputed table)."""
 
 
 @dataclass
@@ -243,7 +255,8 @@ class Data:
     train_stats: DataStats | PairStats
     eval_stats: DataStats | PairStats | None
     splits: list[datasets.Dataset] = dataclasses.field(default_factory=list)
-    """Preference data: the train and eval pairs, numbered in one range (`pair_index`), for the reference."""
+    """Numbered samples (preference pairs' `pair_index`, numbered sequences' `row_index`): the train and eval
+    rows, in one range, for what is looked up by it (a precomputed reference or teacher)."""
     collate: Callable[[list[dict]], dict[str, torch.Tensor]] | None = None
     prompts: list[Prompt] = dataclasses.field(default_factory=list)
     """eval.generate: the held-out prompts the model answers at every evaluation (`finetune.generation`)."""

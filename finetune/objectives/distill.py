@@ -19,9 +19,11 @@ count, and on resume), with probability `on_policy_fraction`:
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy
 import torch
@@ -31,14 +33,16 @@ from transformers import PreTrainedTokenizerBase
 
 from finetune.batch import IGNORE, Batch
 from finetune.config import DataConfig, DistillConfig
-from finetune.data import SEQUENCES
+from finetune.data import NUMBERED_SEQUENCES, SEQUENCES
 from finetune.data.pack import with_host_indices
 from finetune.data.rollout import reply_prompts, separate_rows
-from finetune.divergence import Spec, distill_losses
+from finetune.divergence import Spec, TopK, distill_losses
 from finetune.generation import Sampling, cut_short, gathers_once, row_noise, sample_rollout, stop_tokens
 from finetune.loss import LossPath, chunked_loss_unsupported, target_positions
+from finetune.model import base_fingerprint
 from finetune.reference import frozen_model
 from finetune.sequence import gather_rows
+from finetune.teacher_table import TeacherTable, compute_table, read_table, table_folder, table_key
 from finetune.wrap import reshard
 
 ON_POLICY_STREAM = 0xD157
@@ -85,7 +89,8 @@ class Distill:
 
     cfg: DistillConfig
     loss_path: LossPath
-    teacher: torch.nn.Module
+    teacher: torch.nn.Module | TeacherTable
+    """The frozen teacher, or its precomputed top-k table (distill.teacher_top_k)."""
     tokenizer: PreTrainedTokenizerBase
     seed: int
     max_length: int
@@ -104,8 +109,14 @@ class Distill:
     def count(self, batch: Batch) -> torch.Tensor:
         return (batch["target_ids"] != IGNORE).sum()
 
+    def teacher_of(self, batch: Batch) -> torch.nn.Module | TopK:
+        """What grades the batch: the teacher, or its table's entries for the batch's rows."""
+        if isinstance(self.teacher, TeacherTable):
+            return self.teacher.lookup(batch["row_index"], batch["target_ids"].device)
+        return self.teacher
+
     def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        losses = distill_losses(model, self.teacher, batch, self.loss_path, self.spec)
+        losses = distill_losses(model, self.teacher_of(batch), batch, self.loss_path, self.spec)
         return losses.total, torch.stack([losses.divergence.sum(), losses.cross_entropy.sum()])
 
     def periodic_metrics(self, accelerator: Accelerator) -> dict[str, float]:
@@ -169,7 +180,7 @@ class Distill:
         model.eval()
         sums = torch.zeros(3, dtype=torch.float64)
         for batch in loader:
-            losses = distill_losses(model, self.teacher, batch, self.loss_path, self.spec)
+            losses = distill_losses(model, self.teacher_of(batch), batch, self.loss_path, self.spec)
             rows, width = batch["target_ids"].shape
             row_of = target_positions(batch).div(width, rounding_mode="floor")
             per_row = torch.zeros(rows, 3, device=row_of.device)
@@ -191,22 +202,27 @@ class DistillBuilder:
 
     name = "distill"
     unit_noun = "sequences"
-    samples = SEQUENCES
     reference_setting = "distill.teacher"
 
     def __init__(self, cfg: DistillConfig, data: DataConfig):
         self.cfg = cfg
         self.data = data
         self.reference_model = cfg.teacher
+        self.samples = NUMBERED_SEQUENCES if cfg.teacher_top_k is not None else SEQUENCES  # a table is by row
 
     def prepare_model(self, model: torch.nn.Module, accelerator: Accelerator) -> None:
         return None
 
     def build(self, context) -> tuple[Distill, Callable[[], None]]:
         accelerator = context.accelerator
-        teacher = frozen_model(context.recipe.model, self.cfg.teacher, accelerator, "distill.teacher", "teacher")
         path = context.loss_path
-        why = chunked_loss_unsupported(accelerator.unwrap_model(teacher)) if path == "chunked" else None
+        if self.cfg.teacher_top_k is not None:
+            teacher = self._table(context)
+        else:
+            teacher = frozen_model(context.recipe.model, self.cfg.teacher, accelerator, "distill.teacher", "teacher")
+        why = None
+        if path == "chunked" and not isinstance(teacher, TeacherTable):
+            why = chunked_loss_unsupported(accelerator.unwrap_model(teacher))
         if why is not None:
             path = "full_logits"
             accelerator.print(f"distill: both models' full logits, as the teacher's cannot be chunked: {why}")
@@ -218,3 +234,23 @@ class DistillBuilder:
             self.cfg, path, teacher, context.tokenizer, context.recipe.train.seed, self.data.max_length, once
         )
         return objective, lambda: None
+
+    def _table(self, context) -> TeacherTable:
+        """The teacher's top-k table of these rows: read from beside them if this teacher computed it before, else
+        computed here with the teacher loaded for it alone (collective)."""
+        recipe, accelerator, splits = context.recipe, context.accelerator, context.data.splits
+        k = self.cfg.teacher_top_k
+        numerics = f"{accelerator.mixed_precision}:{recipe.model.dtype}"
+        key = table_key(base_fingerprint(self.cfg.teacher), splits, numerics, k)
+        folder = table_folder(splits, key, k, Path(recipe.output.dir))
+        table = read_table(folder, key)
+        if table is not None:
+            accelerator.print(f"teacher: its top {k} tokens at {len(table.ids):,} trained positions, from {folder}")
+            return table
+        teacher = frozen_model(recipe.model, self.cfg.teacher, accelerator, "distill.teacher_top_k", "teacher")
+        table = compute_table(
+            teacher, splits, context.data.collate, accelerator, recipe.train.micro_batch_size, k, folder, key
+        )
+        del teacher  # training holds none
+        gc.collect()
+        return table
