@@ -135,7 +135,7 @@ def preflight(recipe: RecipeConfig) -> Path | None:
     check_packing(recipe.model, recipe.data.packing)
     builder, weights = objective_for(recipe), weights_for(recipe)
     if builder.reference_model:
-        check_model_path(builder.reference_model)
+        check_model_path(builder.reference_model, builder.reference_setting)
     weights.preflight()
     config = load_model_config(recipe.model)
     check_experts_recipe(config, weights.quantization, recipe.train.router_aux_loss_coef, weights.expert_key)

@@ -46,12 +46,13 @@ def hub_problem(name_or_path: str, exc: BaseException) -> str | None:
     return None
 
 
-def check_model_path(name_or_path: str) -> None:
-    """A path meant as a local folder must exist; otherwise transformers reports it as a bad hub id."""
+def check_model_path(name_or_path: str, setting: str = "model.name_or_path") -> None:
+    """A path meant as a local folder must exist; otherwise transformers reports it as a bad hub id. `setting` is
+    the recipe's setting that named it."""
     looks_local = name_or_path.startswith(("/", "./", "../", "~")) or name_or_path.count("/") > 1
     if looks_local and not Path(name_or_path).expanduser().is_dir():
         raise FinetuneError(
-            f"model.name_or_path {name_or_path} is not a folder; point it at a saved model (config.json, "
+            f"{setting} {name_or_path} is not a folder; point it at a saved model (config.json, "
             "safetensors, tokenizer files) or a hub id such as meta-llama/Llama-3.2-1B"
         )
 

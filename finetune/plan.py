@@ -43,6 +43,7 @@ from finetune.model import (
     DTYPES,
     check_attention,
     check_mlp_tiling,
+    check_model_path,
     check_packing,
     check_quantized_base,
     load_model_config,
@@ -50,6 +51,7 @@ from finetune.model import (
 )
 from finetune.recompute import Policy
 from finetune.sequence import model_problems
+from finetune.teacher_table import CHUNK_ROWS as TABLE_CHUNK_ROWS
 from finetune.wrap import wrap_classes
 
 if TYPE_CHECKING:
@@ -87,6 +89,8 @@ class ModelShape:
     teacher: int = 0
     """A distillation teacher's parameters (frozen, sharded as the model's), and its width: 0 without one."""
     teacher_hidden: int = 0
+    teacher_table: bool = False
+    """distill.teacher_top_k: the teacher is loaded for its table, then freed; none while training."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,9 @@ class Estimate:
     """QLoRA only: the whole 4-bit base (and adapters) on each device before sharding; else 0."""
     host_offloaded: int = 0
     """train.activation_offload: the layer inputs every process of a machine keeps in its host memory."""
+    device_at_table: int = 0
+    """distill.teacher_top_k: the teacher's table computed before the first step, the teacher (sharded) beside the
+    model's parameters, before any gradient or optimizer state; else 0."""
     generation: Generation | None = None
     """Online RL: the rollout phase, when gradients are freed and the KV cache and gathered parameters take
     their place."""
@@ -119,9 +126,10 @@ class Estimate:
         return self.parameters + self.gradients + self.optimizer_state + self.gather_buffers + activations
 
     def device_peak(self, checkpointing: Policy) -> int:
-        """The most a device holds: while training, while loading a QLoRA base, or while generating (online RL)."""
+        """The most a device holds: while training, while loading a QLoRA base, while generating (online RL), or
+        while a distillation teacher's table is computed."""
         generating = self.generation.total(self) if self.generation is not None else 0
-        return max(self.device_total(checkpointing), self.device_at_load, generating)
+        return max(self.device_total(checkpointing), self.device_at_load, generating, self.device_at_table)
 
 
 @dataclass(frozen=True)
@@ -166,10 +174,13 @@ def recipe_shape(recipe: RecipeConfig, model: PreTrainedModel | None = None) -> 
     shape = model_shape(model if model is not None else planned_model(recipe))
     if recipe.distill is None:
         return shape
+    if recipe.distill.teacher_config_file is None:
+        check_model_path(recipe.distill.teacher, "distill.teacher")
     cfg = ModelConfig(name_or_path=recipe.distill.teacher, config_file=recipe.distill.teacher_config_file,
                       trust_remote_code=recipe.model.trust_remote_code)  # fmt: skip
     teacher = model_shape(meta_model(load_model_config(cfg)))
-    return replace(shape, teacher=teacher.parameters, teacher_hidden=teacher.hidden)
+    table = recipe.distill.teacher_top_k is not None
+    return replace(shape, teacher=teacher.parameters, teacher_hidden=teacher.hidden, teacher_table=table)
 
 
 def model_shape(model: PreTrainedModel) -> ModelShape:
@@ -307,7 +318,10 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
         parameters += shape.parameters * param_bytes // shards  # the frozen reference, sharded as the policy
     if recipe.rl is not None and recipe.rl.beta and recipe.peft is None:
         parameters += shape.parameters * param_bytes // shards  # the initial weights, the KL penalty's reference
-    parameters += shape.teacher * param_bytes // shards  # a distillation teacher, loaded as the model is
+    # A distillation teacher, loaded as the model is: beside it while training, or only while its table is computed.
+    table = shape.teacher_table
+    teacher = shape.teacher * param_bytes // shards
+    parameters += 0 if table else teacher
     gradients, optimizer = trainable_bytes // shards, 2 * trainable_bytes // shards
     # What an all-gather moves per parameter: QLoRA gathers the packed 4-bit weights as they are stored.
     gathered_bytes = _NF4_BYTES if nf4 else compute_bytes
@@ -326,7 +340,7 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
         shape, tokens, compute_bytes, launch.sequence_parallel
     )
     # A teacher's output weight, copied out of its forward, and its last hidden states, while the model trains.
-    transient += (shape.vocab + tokens) * shape.teacher_hidden * compute_bytes
+    transient += 0 if table else (shape.vocab + tokens) * shape.teacher_hidden * compute_bytes
     activations, checkpointed, selective = (
         activation_bytes(shape, tokens, compute_bytes, policy, loss=recipe.train.loss_path, scores=scores, tile=tile)
         + transient
@@ -349,9 +363,13 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
         parameters = gradients = optimizer = 0
     # `finetune export` holds about one 5 GB output shard plus a tenth of it being converted.
     host_export = min(full_model, 5 * 10**9) * 12 // 10
+    device_table = 0
+    if table:  # the teacher's units gathered (scaled from the model's by size), its logits a chunk of rows at a time
+        teacher_gather = gather * shape.teacher // max(shape.parameters, 1)
+        device_table = parameters + teacher + teacher_gather + 2 * TABLE_CHUNK_ROWS * shape.vocab * 4
     training = Estimate(
         strategy, parameters, gradients, optimizer, gather, activations, checkpointed, selective, host_load,
-        host_export, device_load, offloaded * processes_per_host,
+        host_export, device_load, offloaded * processes_per_host, device_at_table=device_table,
     )  # fmt: skip
     if recipe.rl is None:
         return training
@@ -406,6 +424,8 @@ def _rollout_rows(recipe: RecipeConfig, launch: Launch) -> int:
 def _trainable(shape: ModelShape) -> str:
     adapters = f", {shape.trainable:,} of them trainable adapters (fp32)" if shape.adapters else ""
     teacher = f"; a frozen teacher of {shape.teacher:,} (distill), sharded as the model" if shape.teacher else ""
+    if shape.teacher and shape.teacher_table:
+        teacher = f"; a frozen teacher of {shape.teacher:,} (distill) for its top-k table, then freed"
     return adapters + teacher
 
 

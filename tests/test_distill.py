@@ -370,6 +370,26 @@ def test_the_plan_counts_the_teacher_sharded_as_the_model_and_its_head_beside_th
     assert with_teacher.parameters - without.parameters == 858_752 * 4 // 2  # fp32, over 2 processes
     head_and_hidden = (shape.vocab + 8 * 128) * 128 * 2  # bf16 compute: the teacher's head copy, its hidden states
     assert with_teacher.activations - without.activations == head_and_hidden
+    # A top-k table: the teacher beside the model's parameters while the table is computed, none while training.
+    table = load_recipe(DISTILL_RECIPE, [*settings, "distill.on_policy_fraction=0", "distill.max_new_tokens=null",
+                                         "distill.teacher_top_k=16"])  # fmt: skip
+    tabled = estimate(recipe_shape(table), table, launch, "full_shard")
+    assert (tabled.parameters, tabled.activations) == (without.parameters, without.activations)
+    assert tabled.device_at_table >= with_teacher.parameters and without.device_at_table == 0
+
+
+def test_finetune_check_refuses_a_teacher_that_is_not_there_naming_the_setting(demo_assets, tmp_path):
+    from helpers import CONFIGS
+
+    from finetune.launch import read_launch
+    from finetune.plan import check
+
+    missing = tmp_path / "no_teacher"
+    recipe = load_recipe(
+        DISTILL_RECIPE, [f"model.name_or_path={demo_assets / 'student'}", f"distill.teacher={missing}"]
+    )
+    with pytest.raises(FinetuneError, match=f"distill.teacher {missing} is not a folder"):
+        check(recipe, read_launch(CONFIGS / "fsdp2_full_shard.yaml", 2, 1), 80 * 2**30)
 
 
 def test_launches_distillation_cannot_run_are_refused_before_anything_loads():

@@ -53,6 +53,10 @@ def _dpo_measured(rate: float, peak: int, fill: float, precompute_seconds: float
     }  # fmt: skip
 
 
+QUICK = ("finetune_full_ddp", "finetune_lora_ddp_precomputed", "trl_full", "trl_lora_precomputed")
+"""What a quick run (the test suite's) measures: a reference model every step and a precomputed one, full and LoRA."""
+
+
 def measure(bench: Bench) -> dict:
     """DPO (beta 0.1) against TRL's DPOTrainer (bench/trl_dpo.py: DDP, chosen and rejected padded into one
     forward) with its defaults (a reference model run every step) and at its best for the same work (its
@@ -78,6 +82,9 @@ def measure(bench: Bench) -> dict:
     }  # fmt: skip
     peers = {"trl_full": (0, False), "trl_full_precomputed": (0, True), "trl_lora": (LORA["peft.r"], False),
              "trl_lora_precomputed": (LORA["peft.r"], True)}  # fmt: skip
+    if bench.quick:  # the test suite's run: each kind of reference once, finetune's and TRL's
+        contenders = {name: run for name, run in contenders.items() if name in QUICK}
+        peers = {name: run for name, run in peers.items() if name in QUICK}
     runs: dict[str, list[dict]] = {name: [] for name in [*contenders, *peers]}
     for repeat in range(bench.repeats):
         for name, (config, settings) in contenders.items():
@@ -112,6 +119,9 @@ def measure(bench: Bench) -> dict:
         "finetune_full_ddp@best": "trl_full_precomputed",
         "finetune_lora_ddp_precomputed": "trl_lora_precomputed",
     }  # fmt: skip
+    compared = {
+        name: peer for name, peer in compared.items() if name.removesuffix("@best") in median and peer in median
+    }
     ratios = {}
     for name, peer in compared.items():
         ours, theirs = median[name.removesuffix("@best")], median[peer]
@@ -141,6 +151,8 @@ def rows(dpo: dict) -> list[str]:
     }  # fmt: skip
     targets, median = dpo["targets"], dpo["median"]
     for name, setup in setups.items():
+        if name not in dpo["peers"]:  # a quick run's
+            continue
         peer = dpo["peers"][name]
         ours, theirs, ratios = median[name.removesuffix("@best")], median[peer], dpo["ratios"][name]
         rows += [
@@ -168,9 +180,10 @@ def rows(dpo: dict) -> list[str]:
         _row("DPO rows' fill, real tokens / token slots (finetune: packed; TRL: padded, full)",
              f"{ours['fill']:.2f}", f"{theirs['fill']:.2f}")
     )  # fmt: skip
+    theirs = median.get("trl_full_precomputed")
     rows.append(
         _row(f"DPO reference precompute, fraction of one epoch of {dpo['pairs']} pairs (DDP, full)",
              f"{dpo['precompute_fraction_of_epoch']:.2f}",
-             f"{median['trl_full_precomputed']['precompute_fraction_of_epoch']:.2f} (precompute_ref_log_probs)")
+             f"{theirs['precompute_fraction_of_epoch']:.2f} (precompute_ref_log_probs)" if theirs else "")
     )  # fmt: skip
     return rows

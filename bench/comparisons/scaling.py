@@ -13,10 +13,14 @@ def measure(bench: Bench) -> dict:
         "shard_grad_op": "fsdp2_shard_grad_op.yaml",
         "ddp": "ddp.yaml",
     }
+    # A quick run (the test suite's) measures one process and 2 with and without sharding, not every pairing.
+    quick = {(1, "ddp"), (2, "full_shard"), (2, "ddp")}
     rows = []
     for size_name in sizes:
         for processes in (1, 2):
             for strategy, config in strategies.items():
+                if bench.quick and (processes, strategy) not in quick:
+                    continue
                 metrics = bench.finetune_run(
                     f"scale-{size_name}-{processes}-{strategy}", SIZES[size_name], config, processes,
                     **{"train.max_steps": min(bench.steps, 10), "train.micro_batch_size": 16 // processes},
