@@ -115,8 +115,8 @@ class Estimate:
     """distill.teacher_top_k: the teacher's table computed before the first step, the teacher (sharded) beside the
     model's parameters, before any gradient or optimizer state; else 0."""
     generation: Generation | None = None
-    """Online RL: the rollout phase, when gradients are freed and the KV cache and gathered parameters take
-    their place."""
+    """Online RL and on-policy distillation: the rollout phase, when gradients are freed and the KV cache and
+    gathered parameters take their place."""
 
     def device_total(self, checkpointing: Policy) -> int:
         """Bytes while training under an activation-checkpointing policy."""
@@ -134,7 +134,7 @@ class Estimate:
 
 @dataclass(frozen=True)
 class Generation:
-    """Bytes per device of online RL's rollout phase (`finetune.objectives.grpo`)."""
+    """Bytes per device of a rollout phase: online RL's (`finetune.objectives.grpo`) or on-policy distillation's."""
 
     kv_cache: int
     """Keys and values of every layer for a step's completions on the device, prompt and completion at full
@@ -371,7 +371,7 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
         strategy, parameters, gradients, optimizer, gather, activations, checkpointed, selective, host_load,
         host_export, device_load, offloaded * processes_per_host, device_at_table=device_table,
     )  # fmt: skip
-    if recipe.rl is None:
+    if recipe.rl is None and not _on_policy(recipe):
         return training
     whole = shape.parameters * compute_bytes if strategy != "ddp" else gather  # unsharded: nothing to gather
     return replace(training, generation=generation_bytes(shape, recipe, launch, compute_bytes, whole, gather))
@@ -380,8 +380,8 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
 def generation_bytes(
     shape: ModelShape, recipe: RecipeConfig, launch: Launch, compute_bytes: int, whole: int, per_layer: int
 ) -> Generation:
-    """Online RL's rollout on one device: a step's completions (micro-batches x accumulation x generations) decoded
-    together, with a KV cache of `data.max_length` tokens each."""
+    """A rollout on one device: a step's completions (`_rollout_rows`) decoded together, with a KV cache of
+    `data.max_length` tokens each."""
     rows = _rollout_rows(recipe, launch)
     kv_cache = rows * recipe.data.max_length * shape.layers * 2 * shape.kv_hidden * compute_bytes
     return Generation(kv_cache, whole, per_layer, rows * shape.vocab * 4 * 2)
@@ -416,9 +416,17 @@ def _sequences(recipe: RecipeConfig) -> int:
 
 
 def _rollout_rows(recipe: RecipeConfig, launch: Launch) -> int:
-    """The completions one device samples for a step: its prompts (micro-batches x accumulation) x generations."""
+    """The completions one device samples for a step: its prompts (micro-batches x accumulation) x generations
+    (online RL), or one a row (on-policy distillation: a packed row's every sample is completed, so there it is
+    the least)."""
     accumulation = recipe.train.accumulation(launch.data_parallel)
-    return recipe.train.micro_batch_size * accumulation * recipe.rl.num_generations
+    generations = recipe.rl.num_generations if recipe.rl is not None else 1
+    return recipe.train.micro_batch_size * accumulation * generations
+
+
+def _on_policy(recipe: RecipeConfig) -> bool:
+    """Whether the run samples completions on some steps as a distillation's on-policy steps."""
+    return recipe.distill is not None and recipe.distill.on_policy_fraction > 0
 
 
 def _trainable(shape: ModelShape) -> str:
@@ -509,8 +517,10 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
         )
         peak = rollout.total(chosen) - rollout.per_layer + (rollout.whole if once else rollout.per_layer)
         rows = _rollout_rows(recipe, launch)
+        kind = "rl" if recipe.rl is not None else "on-policy distill"
+        each = " (one a row; a packed row's other samples add theirs)" if recipe.data.packing and kind != "rl" else ""
         lines.append(
-            f"generation (rl: {rows} completions a step): KV cache {rollout.kv_cache / gib:.2f}, "
+            f"generation ({kind}: {rows} completions a step{each}): KV cache {rollout.kv_cache / gib:.2f}, "
             f"{gathered}, logits {rollout.logits / gib:.2f}; {peak / gib:.2f} {unit_name} per device while generating"
         )
     if chosen.device_at_load:

@@ -44,6 +44,9 @@ from finetune.wrap import reshard
 META = "table.json"
 CHUNK_ROWS = 1024
 """Positions whose logits exist at once while the top k is taken (a (rows, vocab) fp32 tensor)."""
+MICRO_BATCHES_PER_FORWARD = 4
+"""The table's forwards take this many training micro-batches' rows at once: they keep no activations for a
+backward (a layer's at a time) and no gradients, so 4 fit where one trains, and each forward costs less per row."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ def compute_table(
     splits: list[datasets.Dataset],
     collate: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]],
     accelerator: Accelerator,
-    micro_batch_size: int,
+    rows_per_forward: int,
     k: int,
     folder: Path,
     key: str,
@@ -128,8 +131,8 @@ def compute_table(
     began = time.perf_counter()
     for split in splits:
         mine, _ = equal_share(len(split), world, rank)  # a repeated row is written twice, with one value
-        for start in range(0, len(mine), micro_batch_size):
-            rows = split.select(mine[start : start + micro_batch_size]).to_list()
+        for start in range(0, len(mine), rows_per_forward):
+            rows = split.select(mine[start : start + rows_per_forward]).to_list()
             batch = {key: value.to(accelerator.device) for key, value in collate(rows).items()}
             top = teacher_top_k(teacher, batch, k)
             at = torch.from_numpy(_positions(offsets, batch["row_index"].cpu().numpy())).to(accelerator.device)

@@ -352,7 +352,7 @@ def test_a_teacher_table_computed_on_two_processes_is_read_back_by_a_resume_on_o
     assert evaluated == pytest.approx(evaluated_one) and evaluated["eval_divergence"] > 0
 
 
-def test_the_plan_counts_the_teacher_sharded_as_the_model_and_its_head_beside_the_step(demo_assets):
+def test_the_plan_counts_the_teacher_sharded_or_its_table_and_the_on_policy_rollouts(demo_assets):
     from helpers import CONFIGS
 
     from finetune.launch import read_launch
@@ -376,6 +376,10 @@ def test_the_plan_counts_the_teacher_sharded_as_the_model_and_its_head_beside_th
     tabled = estimate(recipe_shape(table), table, launch, "full_shard")
     assert (tabled.parameters, tabled.activations) == (without.parameters, without.activations)
     assert tabled.device_at_table >= with_teacher.parameters and without.device_at_table == 0
+    # On-policy steps (the recipe's fraction 0.5): a completion per row of the step (8 x 1 accumulation on each of 2
+    # processes), each with a KV cache of data.max_length tokens in every layer, bf16.
+    assert with_teacher.generation.kv_cache == 8 * 128 * shape.layers * 2 * shape.kv_hidden * 2
+    assert tabled.generation is None and without.generation is None
 
 
 def test_finetune_check_refuses_a_teacher_that_is_not_there_naming_the_setting(demo_assets, tmp_path):

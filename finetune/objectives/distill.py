@@ -42,7 +42,14 @@ from finetune.loss import LossPath, chunked_loss_unsupported, target_positions
 from finetune.model import base_fingerprint
 from finetune.reference import frozen_model
 from finetune.sequence import gather_rows
-from finetune.teacher_table import TeacherTable, compute_table, read_table, table_folder, table_key
+from finetune.teacher_table import (
+    MICRO_BATCHES_PER_FORWARD,
+    TeacherTable,
+    compute_table,
+    read_table,
+    table_folder,
+    table_key,
+)
 from finetune.wrap import reshard
 
 ON_POLICY_STREAM = 0xD157
@@ -248,9 +255,8 @@ class DistillBuilder:
             accelerator.print(f"teacher: its top {k} tokens at {len(table.ids):,} trained positions, from {folder}")
             return table
         teacher = frozen_model(recipe.model, self.cfg.teacher, accelerator, "distill.teacher_top_k", "teacher")
-        table = compute_table(
-            teacher, splits, context.data.collate, accelerator, recipe.train.micro_batch_size, k, folder, key
-        )
+        rows = recipe.train.micro_batch_size * MICRO_BATCHES_PER_FORWARD
+        table = compute_table(teacher, splits, context.data.collate, accelerator, rows, k, folder, key)
         del teacher  # training holds none
         gc.collect()
         return table
