@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 
 from common import (
@@ -70,8 +71,9 @@ def measure(bench: Bench) -> dict:
             )
             log = bench.work / "runs" / f"distill-{name}-{repeat}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
-            # A table run has a cache of its own: each computes its table (none reads another's).
+            # A table run has a cache of its own, emptied: each computes its table (none reads another's).
             cache = {"HF_DATASETS_CACHE": str(bench.work / "runs" / f"distill-{name}-{repeat}-cache")}
+            shutil.rmtree(cache["HF_DATASETS_CACHE"], ignore_errors=True)
             _, peak = _timed_peak_rss(
                 command, stdout=log, env=ENV | cache if "distill.teacher_top_k" in settings else None
             )
