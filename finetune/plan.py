@@ -314,13 +314,15 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
         frozen_bytes -= shape.quantizable * param_bytes - int(shape.quantizable * _NF4_BYTES)
     device_load = frozen_bytes + trainable_bytes if nf4 else 0
     parameters = (frozen_bytes + trainable_bytes) // shards
+    # A frozen model (`reference.frozen_model`) sharded by FSDP2 is loaded in the compute precision.
+    frozen_param = compute_bytes if strategy != "ddp" and launch.fsdp_version == 2 else param_bytes
     if recipe.preference is not None and recipe.preference.reference == "model":
-        parameters += shape.parameters * param_bytes // shards  # the frozen reference, sharded as the policy
+        parameters += shape.parameters * frozen_param // shards  # the frozen reference, sharded as the policy
     if recipe.rl is not None and recipe.rl.beta and recipe.peft is None:
-        parameters += shape.parameters * param_bytes // shards  # the initial weights, the KL penalty's reference
-    # A distillation teacher, loaded as the model is: beside it while training, or only while its table is computed.
+        parameters += shape.parameters * frozen_param // shards  # the initial weights, the KL penalty's reference
+    # A distillation teacher: beside the model while training, or only while its table is computed.
     table = shape.teacher_table
-    teacher = shape.teacher * param_bytes // shards
+    teacher = shape.teacher * frozen_param // shards
     parameters += 0 if table else teacher
     gradients, optimizer = trainable_bytes // shards, 2 * trainable_bytes // shards
     # What an all-gather moves per parameter: QLoRA gathers the packed 4-bit weights as they are stored.
@@ -357,7 +359,7 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     host_load = full_model if launch.cpu_ram_efficient_loading else full_model * processes_per_host
     if nf4:  # each process streams the weight files (about 5 GB each) onto its device, quantizing them
         host_load = min(full_model, 5 * 10**9) * processes_per_host
-    host_load += shape.teacher * param_bytes * processes_per_host  # every process loads the teacher whole
+    host_load += shape.teacher * frozen_param * processes_per_host  # every process loads the teacher whole
     if launch.offload and strategy != "ddp":
         host_load += (parameters + gradients + optimizer) * processes_per_host
         parameters = gradients = optimizer = 0

@@ -28,10 +28,10 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from finetune.config import ModelConfig
-from finetune.distributed import equal_share
+from finetune.distributed import compute_dtype, equal_share
 from finetune.errors import FinetuneError
 from finetune.loss import LossPath, sequence_logps
-from finetune.model import disable_dropout, load_model
+from finetune.model import DTYPES, disable_dropout, load_model
 from finetune.routing import route_in_fp32
 from finetune.sequence import data_parallel_rank, data_parallel_size, sequence_parallel
 from finetune.wrap import reshard, shard_frozen
@@ -129,8 +129,15 @@ def frozen_model(
     """A second model to compare with or learn from (`setting` names what asked for it and `role` what it is, for
     the log): loaded as the policy's config says (its dtype and attention), frozen, without dropout, in eval mode,
     routing as the policy does, and sharded with the policy's per-layer units, so a forward gathers one layer at a
-    time."""
-    cfg = dataclasses.replace(model, name_or_path=name_or_path, config_file=None)
+    time. Sharded by FSDP2, it is loaded in the run's compute precision: it never takes an optimizer step, and
+    FSDP2's mixed precision casts every parameter to that precision for each forward anyway, so float32 weights
+    would only double its memory for the same values (unsharded, autocast keeps some of its work in float32)."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    dtype = DTYPES[model.dtype]
+    if plugin is not None and plugin.fsdp_version == 2:
+        dtype = compute_dtype(accelerator.mixed_precision, dtype)
+    name = next(name for name, value in DTYPES.items() if value == dtype)
+    cfg = dataclasses.replace(model, name_or_path=name_or_path, config_file=None, dtype=name)
     reference = load_model(cfg, "none")
     reference.requires_grad_(False)
     disable_dropout(reference)
@@ -139,7 +146,9 @@ def frozen_model(
     mesh = getattr(accelerator, "torch_device_mesh", None)  # hybrid sharding's 2-D mesh; None: the whole world
     fsdp_mesh = mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None
     shard_frozen(reference, getattr(accelerator.state, "fsdp_plugin", None), accelerator.device, fsdp_mesh)
-    accelerator.print(f"{role}: {name_or_path}, frozen, sharded as the policy{_mesh_shape(reference)} ({setting})")
+    accelerator.print(
+        f"{role}: {name_or_path}, frozen, sharded as the policy{_mesh_shape(reference)} ({setting}), in {name}"
+    )
     return reference
 
 
