@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,21 @@ def cache_path(split: datasets.Dataset, key: str) -> Path | None:
     return Path(files[0]["filename"]).parent / f"reference-{key}.safetensors" if files else None
 
 
+def dealt_batches(
+    split: datasets.Dataset,
+    collate: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]],
+    accelerator: Accelerator,
+    rows: int,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The split's rows this process forwards before training (a precomputation), `rows` at a time, on its device:
+    every data-parallel-size-th row (a sequence group's processes take the same rows, each a slice of them), the
+    last repeated so that every process runs as many forwards (each a collective under FSDP)."""
+    mine, _ = equal_share(len(split), data_parallel_size(accelerator), data_parallel_rank(accelerator))
+    for start in range(0, len(mine), rows):
+        chosen = split.select(mine[start : start + rows]).to_list()
+        yield {key: value.to(accelerator.device) for key, value in collate(chosen).items()}
+
+
 @torch.no_grad()
 def compute_reference(
     model: torch.nn.Module,
@@ -81,20 +96,15 @@ def compute_reference(
     (train and eval pairs are numbered in one range). A collective: every process calls it."""
     total = sum(len(split) for split in splits)
     table = torch.full((total, 2), float("nan"), dtype=torch.float64)
-    # Under sequence parallelism a group's processes take the same pairs, each a slice of their sequences.
-    world, rank = data_parallel_size(accelerator), data_parallel_rank(accelerator)
     sp = sequence_parallel(accelerator)
     model.eval()
     began = time.perf_counter()
     for split in splits:
-        mine, _ = equal_share(len(split), world, rank)  # a repeated pair is written twice, with one value
         values, owners = [], []
-        for start in range(0, len(mine), micro_batch_size):
-            rows = split.select(mine[start : start + micro_batch_size]).to_list()
-            batch = {key: value.to(accelerator.device) for key, value in collate(rows).items()}
+        for batch in dealt_batches(split, collate, accelerator, micro_batch_size):  # a repeated pair: one value
             logps = sequence_logps(model, batch, loss_path)
             logps = (sp.sum(logps) if sp is not None else logps).double()
-            pairs = len(rows)
+            pairs = batch["pair_index"].numel()
             values.append(torch.stack([logps[:pairs], logps[pairs:]], dim=1))
             owners.append(batch["pair_index"])
         if not values:

@@ -35,10 +35,10 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 
 from finetune.batch import IGNORE
-from finetune.distributed import equal_share
 from finetune.divergence import TopK, head_inputs
 from finetune.errors import FinetuneError
 from finetune.loss import model_inputs, output_head, target_positions
+from finetune.reference import dealt_batches
 from finetune.wrap import reshard
 
 META = "table.json"
@@ -127,13 +127,9 @@ def compute_table(
         )
     offsets = trained_offsets(splits)
     writer = _Writer(folder, int(offsets[-1]), k, accelerator) if accelerator.is_local_main_process else None
-    world, rank = accelerator.num_processes, accelerator.process_index
     began = time.perf_counter()
     for split in splits:
-        mine, _ = equal_share(len(split), world, rank)  # a repeated row is written twice, with one value
-        for start in range(0, len(mine), rows_per_forward):
-            rows = split.select(mine[start : start + rows_per_forward]).to_list()
-            batch = {key: value.to(accelerator.device) for key, value in collate(rows).items()}
+        for batch in dealt_batches(split, collate, accelerator, rows_per_forward):  # a repeated row: one value
             top = teacher_top_k(teacher, batch, k)
             at = torch.from_numpy(_positions(offsets, batch["row_index"].cpu().numpy())).to(accelerator.device)
             parts = [accelerator.pad_across_processes(t, dim=0, pad_index=-1) for t in (at, top.ids, top.logps)]
