@@ -113,11 +113,11 @@ def distill_losses(
         if table is None:
             with torch.no_grad():
                 teacher_logits = teacher(**model_inputs(teacher, batch), use_cache=False).logits
-            teacher_rows = teacher_logits.flatten(0, 1).index_select(0, kept)
+            teacher_rows, ids = teacher_logits.flatten(0, 1).index_select(0, kept), None
+        else:
+            teacher_rows, ids = table.logps, table.ids
         logits = student(**model_inputs(student, batch), use_cache=False).logits.flatten(0, 1).index_select(0, kept)
-        losses, divergence, cross_entropy = _token_losses(
-            logits, table.logps if table else teacher_rows, targets, spec, table.ids if table else None
-        )
+        losses, divergence, cross_entropy = _token_losses(logits, teacher_rows, targets, spec, ids)
         return TokenLosses(losses.sum(), divergence.detach(), cross_entropy.detach())
     if table is None:
         with torch.no_grad(), head_inputs(output_head(teacher), kept) as captured:

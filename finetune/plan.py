@@ -433,10 +433,10 @@ def _on_policy(recipe: RecipeConfig) -> bool:
 
 def _trainable(shape: ModelShape) -> str:
     adapters = f", {shape.trainable:,} of them trainable adapters (fp32)" if shape.adapters else ""
-    teacher = f"; a frozen teacher of {shape.teacher:,} (distill), sharded as the model" if shape.teacher else ""
-    if shape.teacher and shape.teacher_table:
-        teacher = f"; a frozen teacher of {shape.teacher:,} (distill) for its top-k table, then freed"
-    return adapters + teacher
+    if not shape.teacher:
+        return adapters
+    held = " for its top-k table, then freed" if shape.teacher_table else ", sharded as the model"
+    return f"{adapters}; a frozen teacher of {shape.teacher:,} (distill){held}"
 
 
 def parse_memory(text: str) -> int:

@@ -142,11 +142,7 @@ def frozen_model(
     time. Sharded by FSDP2, it is loaded in the run's compute precision: it never takes an optimizer step, and
     FSDP2's mixed precision casts every parameter to that precision for each forward anyway, so float32 weights
     would only double its memory for the same values (unsharded, autocast keeps some of its work in float32)."""
-    plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    dtype = DTYPES[model.dtype]
-    if plugin is not None and plugin.fsdp_version == 2:
-        dtype = compute_dtype(accelerator.mixed_precision, dtype)
-    name = next(name for name, value in DTYPES.items() if value == dtype)
+    name = frozen_dtype(model, accelerator)
     cfg = dataclasses.replace(model, name_or_path=name_or_path, config_file=None, dtype=name)
     reference = load_model(cfg, "none")
     reference.requires_grad_(False)
@@ -160,6 +156,16 @@ def frozen_model(
         f"{role}: {name_or_path}, frozen, sharded as the policy{_mesh_shape(reference)} ({setting}), in {name}"
     )
     return reference
+
+
+def frozen_dtype(model: ModelConfig, accelerator: Accelerator) -> str:
+    """The dtype a frozen model loads in (`frozen_model`): the compute precision where FSDP2 shards it, else the
+    model's."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    dtype = DTYPES[model.dtype]
+    if plugin is not None and plugin.fsdp_version == 2:
+        dtype = compute_dtype(accelerator.mixed_precision, dtype)
+    return next(name for name, value in DTYPES.items() if value == dtype)
 
 
 def _mesh_shape(model: torch.nn.Module) -> str:

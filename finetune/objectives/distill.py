@@ -40,7 +40,7 @@ from finetune.divergence import Spec, TopK, distill_losses
 from finetune.generation import Sampling, cut_short, gathers_once, row_noise, sample_rollout, stop_tokens
 from finetune.loss import LossPath, chunked_loss_unsupported, target_positions
 from finetune.model import base_fingerprint
-from finetune.reference import frozen_model
+from finetune.reference import frozen_dtype, frozen_model
 from finetune.sequence import gather_rows
 from finetune.teacher_table import (
     MICRO_BATCHES_PER_FORWARD,
@@ -247,7 +247,7 @@ class DistillBuilder:
         computed here with the teacher loaded for it alone (collective)."""
         recipe, accelerator, splits = context.recipe, context.accelerator, context.data.splits
         k = self.cfg.teacher_top_k
-        numerics = f"{accelerator.mixed_precision}:{recipe.model.dtype}"
+        numerics = f"{accelerator.mixed_precision}:{frozen_dtype(recipe.model, accelerator)}"  # the teacher's
         key = table_key(base_fingerprint(self.cfg.teacher), splits, numerics, k)
         folder = table_folder(splits, key, k, Path(recipe.output.dir))
         table = read_table(folder, key)
