@@ -46,7 +46,8 @@ $(STAMP): pyproject.toml
 	else \
 		$(PYTHON) -m venv $(VENV) && $(PY) -m pip install --quiet torch==2.13.0; \
 	fi
-	$(PY) -m pip install --quiet -e ".[dev]"
+	@# liger-kernel's fused kernels (model.kernels: liger) are Triton GPU kernels: installed where CUDA is.
+	$(PY) -m pip install --quiet -e ".[dev$$($(PY) -c 'import torch; print(",gpu" * torch.cuda.is_available())')]"
 	rm -f $(VENV)/.installed-* && touch $@
 endif
 

@@ -9,7 +9,8 @@ several to a row of 2048 tokens. Each variant is one `accelerate launch` of `fin
 visible GPU, bf16 compute over float32 master weights: on one GPU with accelerate_configs/single_gpu.yaml (a
 plain module, no FSDP machinery), on several with the single-node preset (FSDP2 full shard); one lever
 changed at a time (VARIANTS): the loss path, the attention path, the activation-checkpointing
-policy, regional compilation; then varlen and compile together; each at every micro-batch given.
+policy, regional compilation; then varlen with compile, and with liger-kernel's fused kernels (model.kernels)
+instead; each at every micro-batch given.
 Reported per GPU: tokens/s, MFU (finetune.flops: 6 N per token + 6 L d_attn n^2 per sample of n tokens,
 over the device's dense bf16 peak), the rows' fill and the step-1 peak memory. Results:
 bench/results/<date>-<commit>-gpu.json and .md, rewritten after every launch (a run stopped at a time
@@ -49,6 +50,8 @@ VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {
     "chunked loss, full checkpointing": ([], {"train.activation_checkpointing": "full"}),
     "chunked loss, regional compile": (COMPILE, {}),
     "chunked loss, varlen attention, regional compile": (COMPILE, VARLEN),
+    # RMSNorm, SwiGLU and rotary embeddings in liger-kernel's Triton kernels instead (model.kernels).
+    "chunked loss, varlen attention, liger kernels": ([], {**VARLEN, "model.kernels": "liger"}),
 }
 
 
@@ -91,8 +94,9 @@ def main() -> None:
 
 
 def chosen(name: str, args) -> bool:
-    """Compilation is left out of --quick (CPU); --variant names exactly, --only by a part of the name."""
-    if args.quick and "compile" in name:
+    """Compilation and liger's Triton kernels are left out of --quick (CPU); --variant names exactly, --only by a
+    part of the name."""
+    if args.quick and ("compile" in name or "liger" in name):
         return False
     if args.variant or args.only:
         return name in (args.variant or []) or any(part in name for part in args.only or [])

@@ -9,14 +9,18 @@ capped (`STEPS`), each started only with at least its least worth starting, afte
 after it need to start is set aside (so no step starves the ones after it), and skipped with a line otherwise:
 
 1. environment (always): the wheels in --wheels (what the machine's own Python lacks: datasets, bitsandbytes,
-   the transformers and peft versions finetune is tested with) installed into a temporary path put first on
-   PYTHONPATH, then one line: GPU, torch, CUDA and the packages' versions;
+   the transformers and peft versions finetune is tested with, the `gpu` extra's liger-kernel) installed into a
+   temporary path put first on PYTHONPATH, then one line: GPU, torch, CUDA and the packages' versions;
 2. test-gpu: the `cuda`-marked tests that run in-process (kernels, synchronizations, memory), at most 60 s;
 3. demo: the offline demo trained on one GPU (single_gpu.yaml, 1 process), its wall time and exact match;
    grpo: the demo's second stage by online RL (make demo-grpo) on one GPU: its wall time, generation
    tokens/s, step seconds, and the exact match before and after;
-4. bench: bench/gpu.py's best-known variant (chunked loss, varlen attention), with and without regional
-   compilation, at micro-batch 16: tokens/s, MFU, fill and peak memory, at most 150 s; each launch records one
+   decode: rollout decoding at the 1B shape, 64 rows of 512 new tokens, each way (transformers' generate, the
+   dynamic loop, the static cache eager and replayed as CUDA graphs): tokens/s, the fraction of the
+   memory-bandwidth bound (bench/decode_gpu.py), at most 90 s;
+4. bench: bench/gpu.py's best-known variant (chunked loss, varlen attention) eager, with regional compilation,
+   and with liger-kernel's fused kernels, at micro-batch 16: tokens/s, MFU, fill and peak memory, at most 180 s;
+   each launch records one
    late step with the torch profiler (left out of its rates), which costs no launch of its own;
 5. profile: the operator table of the fastest of those;
 6. long-context: the longest row Llama-3.2-1B (full) and Llama-3.1-8B (LoRA) train on the GPU, without and with
@@ -57,8 +61,15 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALL
 # are this environment's (the one `make setup` built), so the GPU runs what CI ran.
 WHEELS = ["transformers", "peft", "datasets", "dill", "multiprocess", "fsspec", "bitsandbytes"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
-VERSIONS = ["torch", "accelerate", "transformers", "peft", "datasets", "bitsandbytes", "safetensors", "tokenizers"]
-BEST_VARIANTS = ["chunked loss, varlen attention", "chunked loss, varlen attention, regional compile"]
+VERSIONS = [
+    "torch", "accelerate", "transformers", "peft", "datasets", "bitsandbytes", "safetensors", "tokenizers", "triton",
+    "liger-kernel",
+]  # fmt: skip
+# The best-known variant, and the two ways to fuse its elementwise work: which pays is what this measures.
+BEST_VARIANTS = [
+    "chunked loss, varlen attention", "chunked loss, varlen attention, regional compile",
+    "chunked loss, varlen attention, liger kernels",
+]  # fmt: skip
 MICRO_BATCHES = ["16"]  # the best of 8 and 16 on an H200 (2026-11-28): two launches fit the step's 150 s
 PYTEST_CLOSING = re.compile(r"\d+ (passed|failed|skipped|errors?|deselected)|tests? collected")
 
@@ -316,8 +327,25 @@ def _series(logged: list[dict], key: str) -> list[float]:
     return [row[key] for row in logged if key in row]
 
 
+def decode(check: Check, step: Step, cap: float) -> None:
+    """bench/decode_gpu.py: rollout decoding at the 1B shape, 64 rows of 512 new tokens, each way `complete`
+    decodes (generate, the dynamic loop, the static cache eager and as CUDA graphs): tokens/s and the fraction of
+    the memory-bandwidth bound, a summary line each (its log shares bench.log: the device tool brings back 8 files)."""
+    results = check.work / "decode"
+    shutil.rmtree(results, ignore_errors=True)
+    command = [sys.executable, str(REPO / "bench" / "decode_gpu.py"), "--out", str(results)]
+    returncode, _ = check.run(command + ([] if check.gpu else ["--quick"]), "bench.log", cap)
+    tables = sorted(results.glob("*-decode.md"))
+    if tables:
+        rows = tables[-1].read_text().splitlines()
+        step.lines += [line for line in rows if line.startswith("| ") and "---" not in line]
+    _ended(step, returncode, cap, "bench/decode_gpu.py")
+    if any(" | failed: " in line for line in step.lines):
+        step.status = "failed"
+
+
 def bench(check: Check, step: Step, cap: float) -> None:
-    """bench/gpu.py: the best-known variant with and without regional compile, at micro-batch 8 and 16, each
+    """bench/gpu.py: the best-known variant eager, compiled and with liger's kernels, at micro-batch 16, each
     launch profiling one late step (left out of its rates): the profile step keeps the fastest one's table."""
     command = [sys.executable, str(REPO / "bench" / "gpu.py"), "--micro-batch", *MICRO_BATCHES]
     command += [arg for name in BEST_VARIANTS for arg in ("--variant", name)]
@@ -402,7 +430,8 @@ STEPS = [
     Planned("test-gpu", 60, 30, tests),
     Planned("demo", 90, 40, demo),
     Planned("grpo", 75, 45, grpo),
-    Planned("bench", 150, 60, bench),
+    Planned("decode", 90, 45, decode),
+    Planned("bench", 180, 60, bench),
     Planned("profile", 5, 1, profile),
     Planned("long-context", 150, 90, long_context),
     Planned("test-launches", 120, 60, test_launches),
@@ -460,12 +489,19 @@ def _git_commit() -> str:
     return result.stdout.strip() or "unknown"
 
 
+def _gpu_extra() -> list[str]:
+    """The `gpu` extra's pins (pyproject.toml): what a CPU machine never installs (liger-kernel's Triton kernels)."""
+    import tomllib
+
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+
+
 def download_wheels(folder: Path) -> None:
     """The wheels a GPU machine (Python 3.12, x86-64 Linux, no network) needs, at this environment's versions."""
     folder.mkdir(parents=True, exist_ok=True)
     for stale in folder.glob("*.whl"):
         stale.unlink()  # one version of each: two stop the install there
-    pins = [f"{name}=={importlib.metadata.version(name)}" for name in WHEELS]
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in WHEELS] + _gpu_extra()
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12"]
     command += ["--implementation", "cp", *[arg for p in PLATFORMS for arg in ("--platform", p)], "-d", str(folder)]
     subprocess.run([*command, *pins], check=True)

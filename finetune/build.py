@@ -45,6 +45,7 @@ from finetune.data import Data, build_data, check_sources
 from finetune.distributed import broadcast_module_states, build_accelerator, compute_dtype, rank_zero_loading
 from finetune.errors import FinetuneError
 from finetune.generation import GenerationEval
+from finetune.kernels import check_kernels, fuse
 from finetune.launch import environment_problems
 from finetune.loss import LossPath, choose_loss_path
 from finetune.model import (
@@ -138,6 +139,7 @@ def preflight(recipe: RecipeConfig) -> Path | None:
         check_model_path(builder.reference_model, builder.reference_setting)
     weights.preflight()
     config = load_model_config(recipe.model)
+    check_kernels(recipe.model.kernels, config, recipe.model.name_or_path)
     check_experts_recipe(config, weights.quantization, recipe.train.router_aux_loss_coef, weights.expert_key)
     problems = environment_problems(recipe) + sequence.model_problems(config, sequence.launched_size())
     if problems:
@@ -226,6 +228,9 @@ def setup_model(
     model = load_model(
         recipe.model, policy, read_weights=not started_on_meta, quantization=weights.load_quantization(accelerator)
     )
+    fused = fuse(model, recipe.model.kernels)
+    if fused:
+        accelerator.print(fused)
     tile_model_mlps(model, recipe.train.mlp_tile_tokens)
     if recipe.train.activation_offload:
         offload_layer_inputs(model)

@@ -61,6 +61,11 @@ class ModelConfig:
     multiple of 16 bytes), `batched_mm` each token's experts as one batched matmul, `eager` a loop over
     the experts. Dense models have none to choose."""
 
+    kernels: Literal["liger"] | None = None
+    """`liger`: RMSNorm, SwiGLU and rotary embeddings in liger-kernel's fused Triton kernels (the `gpu` extra;
+    CUDA GPUs, dense models of the families liger-kernel knows: finetune/kernels.py). Unset: transformers' eager
+    operators, which regional compilation fuses instead."""
+
     trust_remote_code: bool = False
     """Run modelling code shipped with the checkpoint. Off unless you trust its source."""
 
@@ -701,6 +706,12 @@ class RLConfig:
 
     top_p: float = 1.0
     """Nucleus sampling: the smallest set of tokens whose probabilities add up to this."""
+
+    rollout_cache: Literal["dynamic", "static"] = "dynamic"
+    """The rollouts' KV cache: `dynamic` grows by a token a step (transformers' DynamicCache; a rollout's rows
+    leave it as they end); `static` is allocated once and written in place (finetune/static_decode.py), so the
+    decoding step is compiled once and, on a GPU without per-layer gathering, replayed as a CUDA graph; rows leave
+    it by halves. The same tokens either way (to float rounding: a static row attends over its whole cache)."""
 
     loss: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"] = "dapo"
     """How per-token losses become a step's loss, as TRL defines them: grpo (each completion's mean, averaged over

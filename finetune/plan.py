@@ -51,6 +51,7 @@ from finetune.model import (
 )
 from finetune.recompute import Policy
 from finetune.sequence import model_problems
+from finetune.static_decode import LENGTH_STEP
 from finetune.teacher_table import CHUNK_ROWS as TABLE_CHUNK_ROWS
 from finetune.wrap import wrap_classes
 
@@ -383,9 +384,13 @@ def generation_bytes(
     shape: ModelShape, recipe: RecipeConfig, launch: Launch, compute_bytes: int, whole: int, per_layer: int
 ) -> Generation:
     """A rollout on one device: a step's completions (`_rollout_rows`) decoded together, with a KV cache of
-    `data.max_length` tokens each."""
+    `data.max_length` tokens each; a static one (`rl.rollout_cache`) is that rounded up to its allocation step,
+    beside the prompts' dynamic cache it is filled from."""
     rows = _rollout_rows(recipe, launch)
-    kv_cache = rows * recipe.data.max_length * shape.layers * 2 * shape.kv_hidden * compute_bytes
+    tokens = recipe.data.max_length
+    if recipe.rl is not None and recipe.rl.rollout_cache == "static":
+        tokens = math.ceil(tokens / LENGTH_STEP) * LENGTH_STEP + tokens - recipe.rl.max_new_tokens
+    kv_cache = rows * tokens * shape.layers * 2 * shape.kv_hidden * compute_bytes
     return Generation(kv_cache, whole, per_layer, rows * shape.vocab * 4 * 2)
 
 
@@ -520,6 +525,7 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
         peak = rollout.total(chosen) - rollout.per_layer + (rollout.whole if once else rollout.per_layer)
         rows = _rollout_rows(recipe, launch)
         kind = "rl" if recipe.rl is not None else "on-policy distill"
+        kind += ", a static cache" if recipe.rl is not None and recipe.rl.rollout_cache == "static" else ""
         each = " (one a row; a packed row's other samples add theirs)" if recipe.data.packing and kind != "rl" else ""
         lines.append(
             f"generation ({kind}: {rows} completions a step{each}): KV cache {rollout.kv_cache / gib:.2f}, "

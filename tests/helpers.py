@@ -55,8 +55,10 @@ def launch(
     launch_args: tuple[str, ...] = (),
     env=None,
     recipe: Path = DEMO_RECIPE,
+    program: list[str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Start real processes with `accelerate launch`, exactly as a user would."""
+    """Start real processes with `accelerate launch`, exactly as a user would: `finetune train` on the recipe, or
+    `program` (a script and its arguments) where a test drives finetune's pieces itself."""
     command = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", str(CONFIGS / config),
@@ -64,7 +66,7 @@ def launch(
         "--mixed_precision", "no",
         "--main_process_port", str(free_port()),
         *launch_args,
-        "-m", "finetune", "train", str(recipe), *overrides,
+        *(program or ["-m", "finetune", "train", str(recipe), *overrides]),
     ]  # fmt: skip
     # Own session, so a run that outlives its timeout is killed with all its workers, not just the launcher.
     process = subprocess.Popen(

@@ -133,7 +133,7 @@ def test_gpu_check_dry_runs_every_step_in_its_cpu_form(tmp_path):
     assert "gpu-check: no GPU: dry run" in result.stdout and summary["mode"] == "no GPU: dry run"
     steps = {step["name"]: step for step in summary["steps"]}
     assert list(steps) == [
-        "environment", "test-gpu", "demo", "grpo", "bench", "profile", "long-context", "test-launches"
+        "environment", "test-gpu", "demo", "grpo", "decode", "bench", "profile", "long-context", "test-launches"
     ]  # fmt: skip
     assert all(step["status"] == "passed" for step in steps.values()), summary
     assert "torch " in steps["environment"]["lines"][-1] and "transformers " in steps["environment"]["lines"][-1]
@@ -144,6 +144,9 @@ def test_gpu_check_dry_runs_every_step_in_its_cpu_form(tmp_path):
     # The GRPO demo's CPU form: a partly trained reverser, 2 GRPO steps, their rates and exact match from the logs.
     assert steps["grpo"]["lines"][0].startswith("training: ") and "generation " in steps["grpo"]["lines"][0]
     assert steps["grpo"]["lines"][2].startswith("exact match on the held-out lists: before ")
+    # Rollout decoding's CPU form: the tiny model, the ways that need no GPU, the static ones writing the same tokens.
+    assert [line.split(" | ")[0] for line in steps["decode"]["lines"][1:]] == ["| dynamic", "| generate", "| static"]
+    assert all(line.endswith("| 100.0% |") for line in steps["decode"]["lines"][2:])
     assert [line.split(":")[0] for line in steps["bench"]["lines"]] == [
         "chunked loss, varlen attention, micro-batch 16"
     ]

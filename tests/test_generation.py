@@ -120,3 +120,61 @@ def test_generation_scores_the_same_on_one_process_two_and_a_sequence_group(
     match, tokens = scores[0][0]
     assert 0.0 < match < 1.0 and tokens > 1  # some lists reversed, some not: the metric is not vacuous
     assert f"step 2: exact match {round(match * 200)}/200 ({100 * match:.1f}%) by generation" in runs[1].log
+
+
+# Run by test_static_cache_decoding_in_lock_step_writes_the_dynamic_loops_tokens on every process.
+LOCK_STEP_SCRIPT = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from finetune.distributed import build_accelerator
+from finetune.generation import Sampling, complete, generating, row_noise
+from finetune.static_decode import StaticDecoding
+
+base, out = sys.argv[1], sys.argv[2]
+accelerator = build_accelerator(trackers=[], project_dir=out, recipe_activation_checkpointing=False,
+                                param_dtype=torch.float32)
+model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+tokenizer = AutoTokenizer.from_pretrained(base)
+model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))  # FSDP2 shards both together
+model.eval()
+# Stop tokens the model writes often, so rows end at many steps; the processes' prompts differ, so they end apart.
+model.generation_config.eos_token_id = json.loads(sys.argv[3])
+rank = accelerator.process_index
+prompts = [tokenizer(f"<|user|>reverse: {' '.join('1234567'[:n])}<|end|><|assistant|>")["input_ids"]
+           for n in range(1 + 3 * rank, 4 + 3 * rank)]
+rows = [p for p in prompts for _ in range(4)]
+sampling = Sampling(1.0, 0.9, row_noise([(rank, n) for n in range(len(rows))], 24))
+with torch.no_grad(), generating(model, gather_once=False) as lock_step:
+    dynamic = complete(model, rows, tokenizer, accelerator, 24, sampling, lock_step, group=4)
+    static = complete(model, rows, tokenizer, accelerator, 24, sampling, lock_step, group=4,
+                      static=StaticDecoding(None))
+with open(f"{out}/rank{rank}.json", "w") as f:
+    json.dump({"lock_step": lock_step, "dynamic": dynamic, "static": static}, f)
+"""
+
+
+@pytest.mark.multiprocess
+def test_static_cache_decoding_in_lock_step_writes_the_dynamic_loops_tokens(tmp_path, demo_assets):
+    """FSDP2 on 2 processes gathering each layer at every forward (generation in lock-step): the static cache's
+    loop, whose rows leave by halves while the processes' rows end at different steps (a process with none left
+    decodes a filler row for the other's sake), writes the dynamic loop's tokens on each process."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(demo_assets / "base", dtype=torch.float32)
+    with torch.no_grad():  # the tokens the untrained model writes most, but the likeliest: rows end at many steps
+        logits = model(input_ids=torch.arange(40).view(2, 20)).logits
+    stops = logits.argmax(-1).flatten().unique()[:4].tolist()
+    script = tmp_path / "lock_step.py"
+    script.write_text(LOCK_STEP_SCRIPT)
+    program = [str(script), str(demo_assets / "base"), str(tmp_path), json.dumps(stops)]
+    result = launch("fsdp2_full_shard.yaml", [], program=program)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    runs = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert all(run["lock_step"] for run in runs)
+    for run in runs:
+        assert run["static"] == run["dynamic"]
+    lengths = [sorted(len(c) for c in run["dynamic"]) for run in runs]
+    assert lengths[0] != lengths[1] and any(min(length) < 24 for length in lengths)  # they ended apart

@@ -468,7 +468,8 @@ def test_a_reward_that_fails_on_one_process_stops_every_process_with_its_message
 @pytest.fixture(scope="module")
 def grpo_runs(tmp_path_factory, demo_assets, partly_trained) -> tuple[LaunchedRun, LaunchedRun]:
     one = _grpo(tmp_path_factory, demo_assets, partly_trained, "grpo1", 1)
-    two = _grpo(tmp_path_factory, demo_assets, partly_trained, "grpo2", 2)
+    # Two processes decode their rollouts over a static cache: the same completions as one process's dynamic one.
+    two = _grpo(tmp_path_factory, demo_assets, partly_trained, "grpo2", 2, **{"rl.rollout_cache": "static"})
     return one, two
 
 
@@ -506,6 +507,8 @@ def test_grpo_samples_and_trains_the_same_on_one_process_and_two(grpo_runs):
     (one_evaluated,) = [m for m in one.metrics() if "eval_reward" in m]
     assert one_evaluated == pytest.approx(evaluated[0])  # every prompt once, on any process count
     assert "generation: parameters gathered once per rollout" in two.log
+    assert "rollouts: a static KV cache, the decoding step eager (FSDP's hooks run in every forward" in two.log
+    assert "rollouts: a dynamic KV cache" in one.log
     assert "(rl.beta > 0: the initial weights)" in two.log and "16 prompts per step" not in two.log
     assert "8 prompts per step" in two.log or "= 8 prompts" in two.log
 
@@ -691,3 +694,47 @@ def test_the_decoding_loop_writes_what_generate_writes_with_ended_rows_leaving(d
             assert ours == theirs, (group, sampled is None)
             lengths = {len(c) for c in ours}
             assert sampled is None or len(lengths) > 3 and min(lengths) < 24  # rows ended at many steps
+
+
+def test_the_static_cache_loop_writes_what_the_dynamic_one_writes_compiling_once_per_half(demo_assets):
+    """`rl.rollout_cache: static` (finetune/static_decode.py): the loop over a static cache, whose rows move to
+    its first half, quarter... as rows end, writes the tokens of the dynamic loop, greedy and sampled, grouped or
+    not; eagerly and with its step compiled (aot_eager here: the graphs inductor and CUDA graphs would take), one
+    graph per half of the cache it ran on, none more for a second rollout of the same shape."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.generation import Sampling, complete, generating, row_noise
+    from finetune.static_decode import StaticDecoding
+
+    model = AutoModelForCausalLM.from_pretrained(demo_assets / "base", dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(demo_assets / "base")
+    accelerator = types.SimpleNamespace(device=torch.device("cpu"), num_processes=1)
+    prompts = [tokenizer(f"<|user|>reverse: {' '.join('1234567'[:n])}<|end|><|assistant|>")["input_ids"] for n in
+               range(1, 7)]  # fmt: skip
+    repeated = [p for p in prompts for _ in range(4)]
+    sampling = Sampling(1.0, 0.9, row_noise([(5, 1, n // 4, n % 4) for n in range(len(repeated))], 24))
+    eager, compiled = StaticDecoding(None), StaticDecoding({"backend": "aot_eager"})
+    with torch.no_grad(), generating(model):
+        written = complete(model, repeated, tokenizer, accelerator, 24, sampling, group=4)
+        common = collections.Counter(t for row in written for t in row).most_common(6)
+        model.generation_config.eos_token_id = [token for token, _ in common[1:6]]
+        for group, sampled in [(4, sampling), (1, sampling), (1, None), (4, None)]:
+            dynamic = complete(model, repeated, tokenizer, accelerator, 24, sampled, group=group)
+            assert complete(model, repeated, tokenizer, accelerator, 24, sampled, group=group, static=eager) == dynamic
+            graphs = counters["stats"]["unique_graphs"]
+            assert complete(model, repeated, tokenizer, accelerator, 24, sampled, group=group, static=compiled) == (
+                dynamic
+            ), (group, sampled is None)
+            halves = len(compiled._shape.steps)
+            assert halves > 2 and counters["stats"]["unique_graphs"] - graphs <= halves
+            lengths = {len(c) for c in dynamic}
+            assert sampled is None or len(lengths) > 3 and min(lengths) < 24
+        graphs = counters["stats"]["unique_graphs"]
+        again = complete(model, repeated, tokenizer, accelerator, 24, sampling, group=4, static=compiled)
+        assert again == complete(model, repeated, tokenizer, accelerator, 24, sampling, group=4)
+        assert counters["stats"]["unique_graphs"] == graphs  # the same shape: its steps are kept
+        # Another shape (fewer rows) gets caches and steps of its own, and the same tokens as the dynamic loop.
+        assert complete(model, repeated[:6], tokenizer, accelerator, 24, sampling, group=1, static=compiled) == (
+            complete(model, repeated[:6], tokenizer, accelerator, 24, sampling, group=1)
+        )

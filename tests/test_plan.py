@@ -166,6 +166,14 @@ def test_online_rl_plans_its_generation_phase():
     assert f"generation (rl: {rows} completions a step): KV cache" in report
     assert "the whole model gathered once per rollout" in report
     assert "parameters gathered per layer at every token" in plan(recipe, launch, 40 * 2**30)
+    # A static cache: each row's length rounded up to 256 (2,560 is already), beside the prompts' dynamic cache.
+    static = load_recipe(REPO / "recipes" / "qwen" / "qwen3-8b-grpo-math.yaml", ["rl.rollout_cache=static"])
+    prompts = recipe.data.max_length - recipe.rl.max_new_tokens
+    assert (
+        estimate(shape, static, launch, launch.strategy).generation.kv_cache
+        == rollout.kv_cache * (recipe.data.max_length + prompts) // recipe.data.max_length
+    )
+    assert f"generation (rl, a static cache: {rows} completions a step)" in plan(static, launch, 80 * 2**30)
     longer = load_recipe(REPO / "recipes" / "qwen" / "qwen3-8b-grpo-math.yaml", ["train.global_batch_size=1024"])
     crowded = estimate(shape, longer, launch, launch.strategy)  # a rollout of 1,024 completions outweighs a step
     assert crowded.device_peak("full") == crowded.generation.total(crowded) > crowded.device_total("full")

@@ -50,6 +50,7 @@ from finetune.generation import (
     cut_short,
     gathers_once,
     generating,
+    rollout_decoding,
     row_noise,
     sample_rollout,
     stop_tokens,
@@ -58,6 +59,7 @@ from finetune.loss import LossPath, token_logps
 from finetune.model import disable_dropout
 from finetune.rewards import Reward, build_rewards, check_columns, score
 from finetune.sequence import gather_rows
+from finetune.static_decode import StaticDecoding
 from finetune.wrap import reshard
 
 if TYPE_CHECKING:
@@ -397,6 +399,8 @@ class GRPO:
     reference_model: torch.nn.Module | None = None
     gather_once: bool = True
     """Generation keeps every layer's parameters gathered from the first decoding step to the last."""
+    static: StaticDecoding | None = None
+    """The rollouts' decoding over a static cache (rl.rollout_cache: static), kept for the run: its compiled steps."""
     share_prompts: bool = False
     """The models attend with `shared_prompt` attention: a prompt's completions share its row (`finetune.data.rollout`:
     never more positions than a row each); else a row each."""
@@ -495,7 +499,7 @@ class GRPO:
         began = time.perf_counter()
         new_tokens, once = self.cfg.max_new_tokens, self.gather_once
         completions = sample_rollout(
-            model, prompts, self.tokenizer, accelerator, new_tokens, sampling, once, generations
+            model, prompts, self.tokenizer, accelerator, new_tokens, sampling, once, generations, self.static
         )
         seconds = time.perf_counter() - began
         truncated = cut_short(completions, stop_tokens(model, self.tokenizer))  # cut at max_new_tokens
@@ -658,9 +662,11 @@ class GRPOBuilder:
         model = accelerator.unwrap_model(context.model)
         once, line = gathers_once(model, accelerator)
         accelerator.print(line)
+        static, line = rollout_decoding(self.cfg.rollout_cache, model, accelerator)
+        accelerator.print(line)
         objective = GRPO(
             self.cfg, context.loss_path, self.rewards, context.tokenizer, context.recipe.train.seed, self.reference,
-            gather_once=once,
+            gather_once=once, static=static,
         )  # fmt: skip
         if self.reference == "model":
             from finetune.reference import frozen_model
