@@ -50,7 +50,7 @@ from finetune import attention, shared_attention
 from finetune.config import GenerateConfig
 from finetune.distributed import equal_share
 from finetune.errors import FinetuneError
-from finetune.static_decode import Pick, StaticDecoding, supports_static_cache
+from finetune.static_decode import Pick, StaticDecoding, all_ended, supports_static_cache
 from finetune.wrap import reshard
 
 BATCH = 16
@@ -295,15 +295,10 @@ def _decoded(
         writing[live[ended]] = False
         keep = writing[live]
         remaining = int(keep.sum())
-        if synced:
-            others = torch.tensor([remaining], device=device)
-            torch.distributed.all_reduce(others)
-            if int(others) == 0:
-                break
-            if remaining == 0:
-                keep[0] = True  # decoded for the others' sake only
-        elif remaining == 0:
+        if all_ended(remaining, synced, device):
             break
+        if remaining == 0:
+            keep[0] = True  # decoded for the other processes' sake only (synced)
         if t + 1 == max_new_tokens:
             break
         if not keep.all():

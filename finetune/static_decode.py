@@ -115,12 +115,7 @@ class StaticDecoding:
             writing[live[real & ended]] = False
             keep = real & writing[live.clamp(min=0)]
             remaining = int(keep.sum())
-            if synced:
-                others = torch.tensor([remaining], device=device)
-                torch.distributed.all_reduce(others)
-                if int(others) == 0:
-                    break
-            elif remaining == 0:
+            if all_ended(remaining, synced, device):
                 break
             if t + 1 == max_new_tokens:
                 break
@@ -177,6 +172,17 @@ class StaticDecoding:
         # A compiled step per half of each shape met: more than dynamo's default of 8 graphs per function.
         with torch._dynamo.config.patch(recompile_limit=64):
             return shape.steps[size](ids, positions, shape.attention[:size])
+
+
+def all_ended(remaining: int, synced: bool, device: torch.device) -> bool:
+    """Whether a decoding loop stops: none of this process's rows is still writing (`remaining`), or, in lock-step
+    (`synced`: every forward gathers parameters from every process), none of any process's (one all-reduce a
+    step); until then a process whose rows have all ended decodes one more, unrecorded, for the others' sake."""
+    if not synced:
+        return remaining == 0
+    everywhere = torch.tensor([remaining], device=device)
+    torch.distributed.all_reduce(everywhere)
+    return int(everywhere) == 0
 
 
 def _step(

@@ -668,12 +668,12 @@ def test_dynamic_sampling_is_refused_without_room_and_warns_when_it_runs_out_of_
     assert line.startswith("dynamic sampling trained 3 groups without a reward spread since the last log")
 
 
-def test_the_decoding_loop_writes_what_generate_writes_with_ended_rows_leaving(demo_assets):
-    """`complete`'s own loop (rows that end leave the batch and the cache) against transformers' `generate` (the
-    reference, which decodes every row to the end): the same tokens, greedy and sampled, grouped or not."""
+def _decoding_case(demo_assets):
+    """The demo's untrained model, 6 prompts x 4 completions, their noise; stop tokens it writes often, so that
+    rows end at many different steps."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.generation import Sampling, complete, decodes_itself, generating, row_noise
+    from finetune.generation import Sampling, complete, generating, row_noise
 
     model = AutoModelForCausalLM.from_pretrained(demo_assets / "base", dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(demo_assets / "base")
@@ -684,9 +684,18 @@ def test_the_decoding_loop_writes_what_generate_writes_with_ended_rows_leaving(d
     sampling = Sampling(1.0, 0.9, row_noise([(5, 1, n // 4, n % 4) for n in range(len(repeated))], 24))
     with torch.no_grad(), generating(model):
         written = complete(model, repeated, tokenizer, accelerator, 24, sampling, group=4, reference=True)
-        # Stop tokens the untrained model writes often, so that rows end at many different steps.
-        common = collections.Counter(t for row in written for t in row).most_common(6)
-        model.generation_config.eos_token_id = [token for token, _ in common[1:6]]
+    common = collections.Counter(t for row in written for t in row).most_common(6)
+    model.generation_config.eos_token_id = [token for token, _ in common[1:6]]
+    return model, tokenizer, accelerator, repeated, sampling
+
+
+def test_the_decoding_loop_writes_what_generate_writes_with_ended_rows_leaving(demo_assets):
+    """`complete`'s own loop (rows that end leave the batch and the cache) against transformers' `generate` (the
+    reference, which decodes every row to the end): the same tokens, greedy and sampled, grouped or not."""
+    from finetune.generation import complete, decodes_itself, generating
+
+    model, tokenizer, accelerator, repeated, sampling = _decoding_case(demo_assets)
+    with torch.no_grad(), generating(model):
         assert decodes_itself(model)
         for group, sampled in [(4, sampling), (1, sampling), (1, None)]:
             ours = complete(model, repeated, tokenizer, accelerator, 24, sampled, group=group)
@@ -702,23 +711,13 @@ def test_the_static_cache_loop_writes_what_the_dynamic_one_writes_compiling_once
     not; eagerly and with its step compiled (aot_eager here: the graphs inductor and CUDA graphs would take), one
     graph per half of the cache it ran on, none more for a second rollout of the same shape."""
     from torch._dynamo.utils import counters
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.generation import Sampling, complete, generating, row_noise
+    from finetune.generation import complete, generating
     from finetune.static_decode import StaticDecoding
 
-    model = AutoModelForCausalLM.from_pretrained(demo_assets / "base", dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(demo_assets / "base")
-    accelerator = types.SimpleNamespace(device=torch.device("cpu"), num_processes=1)
-    prompts = [tokenizer(f"<|user|>reverse: {' '.join('1234567'[:n])}<|end|><|assistant|>")["input_ids"] for n in
-               range(1, 7)]  # fmt: skip
-    repeated = [p for p in prompts for _ in range(4)]
-    sampling = Sampling(1.0, 0.9, row_noise([(5, 1, n // 4, n % 4) for n in range(len(repeated))], 24))
+    model, tokenizer, accelerator, repeated, sampling = _decoding_case(demo_assets)
     eager, compiled = StaticDecoding(None), StaticDecoding({"backend": "aot_eager"})
     with torch.no_grad(), generating(model):
-        written = complete(model, repeated, tokenizer, accelerator, 24, sampling, group=4)
-        common = collections.Counter(t for row in written for t in row).most_common(6)
-        model.generation_config.eos_token_id = [token for token, _ in common[1:6]]
         for group, sampled in [(4, sampling), (1, sampling), (1, None), (4, None)]:
             dynamic = complete(model, repeated, tokenizer, accelerator, 24, sampled, group=group)
             assert complete(model, repeated, tokenizer, accelerator, 24, sampled, group=group, static=eager) == dynamic
