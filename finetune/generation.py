@@ -197,8 +197,11 @@ def complete(
     generator = model.module if isinstance(model, DistributedDataParallel) else model
     synced = lock_step and accelerator.num_processes > 1
     if static is not None and decodes_itself(generator) and supports_static_cache(generator) and not reference:
-        prefix = _shared_prompts_cache(generator, input_ids, mask, group, shared_only=False)
-        rows = static.decode(generator, input_ids, mask, prefix, stops, max_new_tokens, _picker(sampling), synced)
+        # An adapter model's forward only hands its arguments to its base model (adapters inside): the base's is
+        # the forward compiled, without the wrapper's context managers.
+        base = generator.get_base_model() if hasattr(generator, "get_base_model") else generator
+        prefix = _shared_prompts_cache(base, input_ids, mask, group, shared_only=False)
+        rows = static.decode(base, input_ids, mask, prefix, stops, max_new_tokens, _picker(sampling), synced)
     elif decodes_itself(generator) and not reference:
         rows = _decoded(generator, input_ids, mask, stops, max_new_tokens, sampling, synced, group)
     else:
@@ -427,9 +430,10 @@ def rollout_decoding(
     (one process or DDP): FSDP2's hooks stop torch.compile from taking the step whole (graph breaks), and a
     collective would be captured with it. On CPU the step stays eager: compiling it gained about 10% on the
     bench model at the cost of half a minute per shape."""
-    if setting == "dynamic":
-        return None, "rollouts: a dynamic KV cache, rows leaving it as they end (rl.rollout_cache=dynamic)"
     inner = model.module if isinstance(model, DistributedDataParallel) else model
+    if setting == "dynamic":
+        how = "rows leaving it as they end" if decodes_itself(inner) else "decoded by transformers' generate"
+        return None, f"rollouts: a dynamic KV cache, {how} (rl.rollout_cache=dynamic)"
     if not (decodes_itself(inner) and supports_static_cache(inner)):
         raise FinetuneError(
             f"rl.rollout_cache=static: {type(inner).__name__}'s KV cache has layers of another kind (sliding "
@@ -439,6 +443,8 @@ def rollout_decoding(
     sharded = any(isinstance(module, FSDPModule) for module in model.modules())
     if accelerator.device.type == "cuda" and not sharded:
         how = "the decoding step compiled and replayed as a CUDA graph"
-        return StaticDecoding({"mode": "reduce-overhead"}), f"rollouts: a static KV cache, {how} (rl.rollout_cache)"
+        static = StaticDecoding({"mode": "reduce-overhead"}, accelerator.print)
+        return static, f"rollouts: a static KV cache, {how} (rl.rollout_cache)"
     why = "FSDP's hooks run in every forward" if sharded else f"on {accelerator.device.type}, not a GPU"
-    return StaticDecoding(None), f"rollouts: a static KV cache, the decoding step eager ({why}; rl.rollout_cache)"
+    static = StaticDecoding(None, accelerator.print)
+    return static, f"rollouts: a static KV cache, the decoding step eager ({why}; rl.rollout_cache)"

@@ -13,8 +13,10 @@ that half: the first rows of the same tensors (views: nothing allocated), at mos
 compiled once. Everything (the cache, its halves, their compiled steps) is kept for the next rollout of the same
 shape (rows, and length rounded up to `LENGTH_STEP`): compiling per rollout would cost more than it saves.
 
-The step computes the logits the dynamic path computes, so the tokens are the same (tests/test_generation.py) and
-every guarantee of the rollouts (the same completions on 1 and N processes, exact resume) holds unchanged.
+The step computes the logits the dynamic path computes (to float rounding: a row attends over the whole cache
+length, masked, so its sums run in another order), so the tokens are the same (tests/test_grpo.py,
+tests/test_generation.py) and every guarantee of the rollouts (the same completions on 1 and N processes, exact
+resume) holds unchanged.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ class StaticDecoding:
     """The decoding loop over static caches; one object per model, kept for the run. `compile`: torch.compile's
     settings for the step (`{"mode": "reduce-overhead"}` on a GPU: CUDA graphs), or None for an eager step."""
 
-    def __init__(self, compile: dict[str, str] | None):
-        self.compile = compile
+    def __init__(self, compile: dict[str, str] | None, say: Callable[[str], None] = print):
+        self.compile, self.say = compile, say
         self._shape: _Shape | None = None
 
     def decode(
@@ -169,9 +171,18 @@ class StaticDecoding:
             step = functools.partial(_step, model, cache)
             shape.steps[size] = torch.compile(step, fullgraph=True, dynamic=False, **self.compile)
         torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read: its graph may overwrite them
-        # A compiled step per half of each shape met: more than dynamo's default of 8 graphs per function.
-        with torch._dynamo.config.patch(recompile_limit=64):
-            return shape.steps[size](ids, positions, shape.attention[:size])
+        try:
+            # A compiled step per half of each shape met: more than dynamo's default of 8 graphs per function.
+            with torch._dynamo.config.patch(recompile_limit=64):
+                return shape.steps[size](ids, positions, shape.attention[:size])
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            # A model whose forward dynamo cannot take whole (a quantized base's kernels, say): the static cache
+            # still decodes, eagerly, and the log says why.
+            self.compile = None
+            reason = str(exc).strip().splitlines()[0][:200]
+            self.say(f"warning: rl.rollout_cache=static: the decoding step could not be compiled ({reason}); it runs "
+                     "eagerly")  # fmt: skip
+            return _step(model, cache, ids, positions, shape.attention[:size])
 
 
 def all_ended(remaining: int, synced: bool, device: torch.device) -> bool:

@@ -534,12 +534,13 @@ def test_grpo_resumes_between_rollouts_on_another_process_count(grpo_runs, tmp_p
 def test_grpo_with_adapters_samples_as_the_base_at_first_and_exports(grpo_runs, tmp_path_factory, demo_assets,
                                                                      partly_trained):  # fmt: skip
     """LoRA under FSDP2, the KL penalty against the adapters switched off: at step 1 the adapters are zero, so the
-    completions (and their rewards) are the full run's; the adapter and the merged model are exported."""
+    completions (and their rewards) are the full run's; the adapter and the merged model are exported. Its
+    rollouts decode over a static cache (the adapter model's base forward, adapters inside)."""
     one, _ = grpo_runs
     lora = _grpo(
         tmp_path_factory, demo_assets, partly_trained, "grpo_lora", 2,
         **{"peft.r": 8, "peft.target_modules": "[all-linear]", "output.export_merged": "true", "train.max_steps": 2,
-           "train.eval_every_steps": 2},
+           "train.eval_every_steps": 2, "rl.rollout_cache": "static"},
     )  # fmt: skip
     rollout = ("reward", "reward_std", "completions/mean_length", "frac_reward_zero_std", "rewards/exact_match/mean")
     first = {name: _per_step(one)[1][name] for name in rollout}
