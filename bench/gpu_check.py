@@ -17,7 +17,7 @@ after it need to start is set aside (so no step starves the ones after it), and 
    tokens/s, step seconds, and the exact match before and after;
    decode: rollout decoding at the 1B shape, 64 rows of 512 new tokens, each way (transformers' generate, the
    dynamic loop, the static cache eager and replayed as CUDA graphs): tokens/s, the fraction of the
-   memory-bandwidth bound (bench/decode_gpu.py), at most 90 s;
+   memory-bandwidth bound (bench/decode_gpu.py), at most 120 s;
 4. bench: bench/gpu.py's best-known variant (chunked loss, varlen attention) eager, with regional compilation,
    and with liger-kernel's fused kernels, at micro-batch 16: tokens/s, MFU, fill and peak memory, at most 180 s;
    each launch records one
@@ -430,7 +430,7 @@ STEPS = [
     Planned("test-gpu", 60, 30, tests),
     Planned("demo", 90, 40, demo),
     Planned("grpo", 75, 45, grpo),
-    Planned("decode", 90, 45, decode),
+    Planned("decode", 120, 60, decode),
     Planned("bench", 180, 60, bench),
     Planned("profile", 5, 1, profile),
     Planned("long-context", 150, 90, long_context),
