@@ -27,8 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import DynamicCache, PretrainedConfig, StaticCache
 from transformers.cache_utils import StaticLayer
+
+from finetune.errors import FinetuneError
 
 LENGTH_STEP = 256
 """Cache lengths are rounded up to a multiple of this: rollouts whose prompts differ a little share a cache."""
@@ -42,8 +44,21 @@ Pick = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 def supports_static_cache(model: torch.nn.Module) -> bool:
     """Whether every layer of the model's StaticCache is a plain one (a sliding window's layer rolls its slots,
     and a state-space layer has none)."""
+    return _plain_static_cache(model.config)
+
+
+def check_static_cache(config: PretrainedConfig, name: str) -> None:
+    """`rl.rollout_cache: static`, refused before anything loads for a model whose cache it cannot hold."""
+    if not _plain_static_cache(config):
+        raise FinetuneError(
+            f"rl.rollout_cache=static: {name!r} has layers whose cache is not a plain one (sliding windows, "
+            "state-space layers), which the static cache's decoding does not hold; set rl.rollout_cache: dynamic"
+        )
+
+
+def _plain_static_cache(config: PretrainedConfig) -> bool:
     try:
-        cache = StaticCache(config=model.config, max_cache_len=LENGTH_STEP)
+        cache = StaticCache(config=config, max_cache_len=LENGTH_STEP)
     except (ValueError, TypeError, AttributeError):
         return False
     return all(type(layer) is StaticLayer for layer in cache.layers)

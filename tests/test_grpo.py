@@ -738,3 +738,19 @@ def test_the_static_cache_loop_writes_what_the_dynamic_one_writes_compiling_once
         assert complete(model, repeated[:6], tokenizer, accelerator, 24, sampling, group=1, static=compiled) == (
             complete(model, repeated[:6], tokenizer, accelerator, 24, sampling, group=1)
         )
+
+
+def test_a_static_rollout_cache_is_refused_before_loading_for_layers_it_cannot_hold(tmp_path):
+    """Sliding-window layers roll their cache's slots: `rl.rollout_cache: static` is refused when the objective is
+    built (training's preflight), from the model's config alone; a plain model's passes."""
+    from helpers import tiny_config
+
+    from finetune.objectives import objective_for
+
+    tiny_config("gemma2").to_json_file(tmp_path / "config.json")
+    windowed = load_recipe(GRPO_RECIPE, ["rl.rollout_cache=static", f"model.config_file={tmp_path / 'config.json'}"])
+    refused = r"rl.rollout_cache=static: .*\(sliding windows.*set rl.rollout_cache: dynamic"
+    with pytest.raises(FinetuneError, match=refused):
+        objective_for(windowed)
+    tiny_config("llama").to_json_file(tmp_path / "config.json")
+    assert objective_for(windowed).cfg.rollout_cache == "static"

@@ -157,7 +157,7 @@ def objective_for(recipe: RecipeConfig) -> ObjectiveBuilder:
     if recipe.train.objective is not None:
         return _imported(recipe.train.objective)(recipe)
     if recipe.rl is not None:
-        return GRPOBuilder(recipe.rl, recipe.model.name_or_path, adapters=recipe.peft is not None)
+        return GRPOBuilder(recipe.rl, recipe.model, adapters=recipe.peft is not None)
     if recipe.preference is not None:
         return PreferenceBuilder(recipe.preference)
     if recipe.distill is not None:

@@ -38,7 +38,7 @@ from transformers import PreTrainedTokenizerBase
 
 from finetune import attention, shared_attention
 from finetune.batch import Batch
-from finetune.config import RLConfig
+from finetune.config import ModelConfig, RLConfig
 from finetune.data.pack import with_host_indices
 from finetune.data.prompt_only import PromptOnly
 from finetune.data.prompts import content_text
@@ -56,10 +56,10 @@ from finetune.generation import (
     stop_tokens,
 )
 from finetune.loss import LossPath, token_logps
-from finetune.model import disable_dropout
+from finetune.model import disable_dropout, load_model_config
 from finetune.rewards import Reward, build_rewards, check_columns, score
 from finetune.sequence import gather_rows
-from finetune.static_decode import StaticDecoding
+from finetune.static_decode import StaticDecoding, check_static_cache
 from finetune.wrap import reshard
 
 if TYPE_CHECKING:
@@ -642,9 +642,12 @@ class GRPOBuilder:
     unit_noun = "prompts"
     reference_setting = "model.name_or_path (the KL penalty's reference)"
 
-    def __init__(self, cfg: RLConfig, base: str, adapters: bool):
+    def __init__(self, cfg: RLConfig, model: ModelConfig, adapters: bool):
         self.cfg = cfg
-        # Before anything loads: an import error is found in seconds.
+        # Before anything loads: an import error is found in seconds, a cache the model's layers cannot use too.
+        if cfg.rollout_cache == "static":
+            check_static_cache(load_model_config(model), model.name_or_path)
+        base = model.name_or_path
         self.rewards = build_rewards(cfg.rewards, cfg.max_new_tokens)
         self.samples = PromptOnly(
             cfg.max_new_tokens, lambda columns, where: check_columns(self.rewards, columns, where)
