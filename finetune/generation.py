@@ -50,7 +50,7 @@ from finetune import attention, shared_attention
 from finetune.config import GenerateConfig
 from finetune.distributed import equal_share
 from finetune.errors import FinetuneError
-from finetune.static_decode import Pick, StaticDecoding, all_ended, supports_static_cache
+from finetune.static_decode import Pick, StaticDecoding, all_ended
 from finetune.wrap import reshard
 
 BATCH = 16
@@ -196,10 +196,10 @@ def complete(
     # DDP's wrapper has no `generate`; its module computes alike without gradients (nothing to synchronize).
     generator = model.module if isinstance(model, DistributedDataParallel) else model
     synced = lock_step and accelerator.num_processes > 1
-    if static is not None and decodes_itself(generator) and supports_static_cache(generator) and not reference:
+    if static is not None and not reference:  # a model it can decode (`rollout_decoding` checked)
         # An adapter model's forward only hands its arguments to its base model (adapters inside): the base's is
         # the forward compiled, without the wrapper's context managers.
-        base = generator.get_base_model() if hasattr(generator, "get_base_model") else generator
+        base = _without_adapter_wrapper(generator)
         prefix = _shared_prompts_cache(base, input_ids, mask, group, shared_only=False)
         rows = static.decode(base, input_ids, mask, prefix, stops, max_new_tokens, _picker(sampling), synced)
     elif decodes_itself(generator) and not reference:
@@ -255,9 +255,15 @@ def decodes_itself(model: torch.nn.Module) -> bool:
     """Whether `complete` decodes `model` with its own loop (a KV cache of transformers' default kind, and a
     forward that computes only the logits asked for); else with transformers' `generate`. An adapter model's
     forward hands its keyword arguments to its base model's: the base's forward is the one asked."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _without_adapter_wrapper(model)
     supported = getattr(base, "_supports_default_dynamic_cache", None)
     return callable(supported) and supported() and "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+def _without_adapter_wrapper(model: torch.nn.Module) -> torch.nn.Module:
+    """An adapter model's base model (its adapters inside), whose forward the wrapper's hands its arguments to;
+    any other model itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _decoded(
@@ -434,11 +440,11 @@ def rollout_decoding(
     if setting == "dynamic":
         how = "rows leaving it as they end" if decodes_itself(inner) else "decoded by transformers' generate"
         return None, f"rollouts: a dynamic KV cache, {how} (rl.rollout_cache=dynamic)"
-    if not (decodes_itself(inner) and supports_static_cache(inner)):
+    # Caches of another kind than the static one's plain layers were refused before loading (check_static_cache).
+    if not decodes_itself(inner):
         raise FinetuneError(
-            f"rl.rollout_cache=static: {type(inner).__name__}'s KV cache has layers of another kind (sliding "
-            "windows, state-space layers) than the static cache's plain ones, or its forward cannot compute the "
-            "last position alone; set rl.rollout_cache: dynamic"
+            f"rl.rollout_cache=static: {type(inner).__name__}'s forward cannot compute the last position alone "
+            "(no logits_to_keep), which the static cache's decoding step needs; set rl.rollout_cache: dynamic"
         )
     sharded = any(isinstance(module, FSDPModule) for module in model.modules())
     if accelerator.device.type == "cuda" and not sharded:

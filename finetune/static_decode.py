@@ -41,12 +41,6 @@ Pick = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 """(logits (rows, vocab), the rows' numbers (rows,), the new token's index) -> the rows' tokens (rows, 1)."""
 
 
-def supports_static_cache(model: torch.nn.Module) -> bool:
-    """Whether every layer of the model's StaticCache is a plain one (a sliding window's layer rolls its slots,
-    and a state-space layer has none)."""
-    return _plain_static_cache(model.config)
-
-
 def check_static_cache(config: PretrainedConfig, name: str) -> None:
     """`rl.rollout_cache: static`, refused before anything loads for a model whose cache it cannot hold."""
     if not _plain_static_cache(config):
@@ -57,6 +51,8 @@ def check_static_cache(config: PretrainedConfig, name: str) -> None:
 
 
 def _plain_static_cache(config: PretrainedConfig) -> bool:
+    """Whether every layer of the model's StaticCache is a plain one (a sliding window's layer rolls its slots,
+    and a state-space layer has none)."""
     try:
         cache = StaticCache(config=config, max_cache_len=LENGTH_STEP)
     except (ValueError, TypeError, AttributeError):
