@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -23,8 +24,10 @@ def measure(bench: Bench) -> dict:
     """GRPO against TRL's GRPOTrainer (bench/trl_grpo.py), 2 processes, the same randomly initialised model, demo
     prompts, exact-reversal reward, 8 completions a prompt, the same number of new tokens, temperature 1, DAPO's
     loss, beta 0, one update per rollout, fp32 both: prompts per second through whole steps (sampling, scoring,
-    the forward and backward, the update) and the peak resident memory of the largest process. A randomly
-    initialised model rarely stops before the length limit: both generate about the same tokens. finetune under
+    the forward and backward, the update) and the peak resident memory of the largest process, and the mean length
+    of the completions each side drew: each repetition seeds both sides anew (a randomly initialised model's
+    lengths vary widely from draw to draw at hundreds of new tokens; at 32 nearly every completion runs to the
+    limit), and the lengths compared are the means over all repetitions. finetune under
     DDP (TRL's engine) and FSDP2. Two prompt shapes: the demo's bare lists (about 10 tokens, shorter than any real
     RL prompt) and the same lists after an instruction (about 150 tokens, as a math prompt's question and
     instructions in a chat template); and at the lengths RL runs (the instructed prompts with up to 256 and 512 new
@@ -63,8 +66,9 @@ def _compare(
     bench: Bench, model: Path, tag: str, prompts_file: Path, prompts: int, generations: int, new_tokens: int,
     steps: int, checkpointing: bool,
 ) -> dict:  # fmt: skip
-    """The contenders' medians over `bench.repeats` interleaved repetitions on one prompt file, and their ratios to
-    TRL's (with `checkpointing`, its faster of gradient checkpointing on and off, and finetune's with it too)."""
+    """The contenders' medians over `bench.repeats` interleaved repetitions on one prompt file (repetition k seeded
+    k on both sides), their mean completion lengths, and their ratios to TRL's (with `checkpointing`, its faster of
+    gradient checkpointing on and off, and finetune's with it too)."""
     settings = {
         "data.train_path": prompts_file, "data.max_length": 256 + new_tokens, "data.packing": "false",
         "data.format": "auto", "rl.num_generations": generations, "rl.max_new_tokens": new_tokens,
@@ -85,7 +89,7 @@ def _compare(
             run = f"grpo-{tag}{name}-{repeat}"
             command, out = bench.finetune_command(
                 run, bench.train_size, config, recipe=GRPO_RECIPE, **settings,
-                **{"train.activation_checkpointing": "full" if recompute else "none"},
+                **{"train.activation_checkpointing": "full" if recompute else "none", "train.seed": repeat},
             )  # fmt: skip
             _, peak = _timed_peak_rss(command, stdout=bench.work / "runs" / f"{run}.log")
             entries = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -98,11 +102,14 @@ def _compare(
                 sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                 str(_free_port()), str(REPO / "bench" / "trl_grpo.py"), str(model), str(prompts_file), str(steps),
                 str(prompts), str(generations), str(new_tokens), str(result), str(int(gradient_checkpointing)),
+                str(repeat),
             ])  # fmt: skip
             trl = json.loads(result.read_text())
             rate = 2 * prompts / _steady_median(trl["step_seconds"])
             runs[name].append(_measured(rate, peak, trl.get("completion_tokens", float("nan"))))
     median = _medians(runs)
+    for name, measured in runs.items():  # lengths: the mean of every repetition's draws (each its own seed)
+        median[name]["completion_tokens"] = statistics.fmean(m["completion_tokens"] for m in measured)
     if checkpointing:  # TRL at its best: its faster setting, with that setting's memory
         best = max(peers, key=lambda name: median[name]["prompts_per_second"])
         median["trl"] = {**median[best], "setting": best}
@@ -188,10 +195,13 @@ def rows(grpo: dict) -> list[str]:
     for result in grpo["shapes"].values():
         median = result["median"]
         trl = median["trl"].get("setting", "trl").replace("trl_no_gc", "TRL without").replace("trl_gc", "TRL with")
+        ours_long = median[next(iter(result["ratios"]))]["completion_tokens"]
+        trl_long = median["trl"]["completion_tokens"]
         setup = (f"{grpo['size']}, {result['prompts_per_step']} prompts of {result['prompt_tokens']:.0f} tokens x "
                  f"{result['generations']} completions of up to {result['new_tokens']} tokens a step, completions "
-                 f"{median[next(iter(result['ratios']))]['completion_tokens']:.0f} vs "
-                 f"{median['trl']['completion_tokens']:.0f} tokens")  # fmt: skip
+                 f"{ours_long:.0f} vs {trl_long:.0f} tokens")  # fmt: skip
+        if abs(ours_long / trl_long - 1) > 0.1:  # the two sides did not do the same work: say so where it is read
+            setup += f" (not within 10%: {ours_long / trl_long - 1:+.0%})"
         if trl != "trl":
             setup += f"; {trl} gradient checkpointing, its faster"
         for name in result["ratios"]:
