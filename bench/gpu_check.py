@@ -20,8 +20,8 @@ after it need to start is set aside (so no step starves the ones after it), and 
    memory-bandwidth bound (bench/decode_gpu.py), at most 120 s;
 4. bench: bench/gpu.py's best-known variant (chunked loss, varlen attention) eager, with regional compilation,
    and with liger-kernel's fused kernels, at micro-batch 16: tokens/s, MFU, fill and peak memory, at most 180 s;
-   each launch records one
-   late step with the torch profiler (left out of its rates), which costs no launch of its own;
+   each launch records one late step with the torch profiler (left out of its rates), which costs no launch of
+   its own;
 5. profile: the operator table of the fastest of those;
 6. long-context: the longest row Llama-3.2-1B (full) and Llama-3.1-8B (LoRA) train on the GPU, without and with
    train.activation_offload, and their tokens/s (bench/long_context_gpu.py), at most 150 s;
