@@ -435,15 +435,14 @@ def rollout_decoding(
     step runs. Its step is compiled, and replayed as a CUDA graph, on a GPU where no FSDP hook runs in the forward
     (one process or DDP): FSDP2's hooks stop torch.compile from taking the step whole (graph breaks), and a
     collective would be captured with it. On CPU the step stays eager: compiling it gained about 10% on the
-    bench model at the cost of half a minute per shape."""
-    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    bench model at the cost of half a minute per shape. `model`: unwrapped (`accelerator.unwrap_model`)."""
     if setting == "dynamic":
-        how = "rows leaving it as they end" if decodes_itself(inner) else "decoded by transformers' generate"
+        how = "rows leaving it as they end" if decodes_itself(model) else "decoded by transformers' generate"
         return None, f"rollouts: a dynamic KV cache, {how} (rl.rollout_cache=dynamic)"
     # Caches of another kind than the static one's plain layers were refused before loading (check_static_cache).
-    if not decodes_itself(inner):
+    if not decodes_itself(model):
         raise FinetuneError(
-            f"rl.rollout_cache=static: {type(inner).__name__}'s forward cannot compute the last position alone "
+            f"rl.rollout_cache=static: {type(model).__name__}'s forward cannot compute the last position alone "
             "(no logits_to_keep), which the static cache's decoding step needs; set rl.rollout_cache: dynamic"
         )
     sharded = any(isinstance(module, FSDPModule) for module in model.modules())

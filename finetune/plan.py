@@ -51,7 +51,7 @@ from finetune.model import (
 )
 from finetune.recompute import Policy
 from finetune.sequence import model_problems
-from finetune.static_decode import LENGTH_STEP
+from finetune.static_decode import cache_length
 from finetune.teacher_table import CHUNK_ROWS as TABLE_CHUNK_ROWS
 from finetune.wrap import wrap_classes
 
@@ -389,7 +389,7 @@ def generation_bytes(
     rows = _rollout_rows(recipe, launch)
     tokens = recipe.data.max_length
     if recipe.rl is not None and recipe.rl.rollout_cache == "static":
-        tokens = math.ceil(tokens / LENGTH_STEP) * LENGTH_STEP + tokens - recipe.rl.max_new_tokens
+        tokens = cache_length(tokens) + tokens - recipe.rl.max_new_tokens
     kv_cache = rows * tokens * shape.layers * 2 * shape.kv_hidden * compute_bytes
     return Generation(kv_cache, whole, per_layer, rows * shape.vocab * 4 * 2)
 

@@ -41,6 +41,12 @@ Pick = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 """(logits (rows, vocab), the rows' numbers (rows,), the new token's index) -> the rows' tokens (rows, 1)."""
 
 
+def cache_length(tokens: int) -> int:
+    """The length of the static cache that holds rows of `tokens` (prompt and new tokens): rounded up to
+    `LENGTH_STEP`."""
+    return math.ceil(tokens / LENGTH_STEP) * LENGTH_STEP
+
+
 def check_static_cache(config: PretrainedConfig, name: str) -> None:
     """`rl.rollout_cache: static`, refused before anything loads for a model whose cache it cannot hold."""
     if not _plain_static_cache(config):
@@ -95,7 +101,7 @@ class StaticDecoding:
         `synced`: the processes run the same number of forwards (FSDP gathers parameters at each)."""
         rows, width = input_ids.shape
         device = input_ids.device
-        shape = self._shape_for(model, rows, math.ceil((width + max_new_tokens) / LENGTH_STEP) * LENGTH_STEP)
+        shape = self._shape_for(model, rows, cache_length(width + max_new_tokens))
         seen = 0 if prefix is None else width - 1
         whole = shape.caches[rows]
         if prefix is not None:
