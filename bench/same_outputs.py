@@ -2,8 +2,8 @@
 
     python bench/same_outputs.py OUT.json [--compare BEFORE.json]
 
-Runs full fine-tuning, LoRA, DPO and a mixture of experts (Qwen3-MoE with its balancing loss) for 6 steps each on 2
-CPU processes under FSDP2 (the demo's model, tokenizer and data, built offline), and writes, per run, the sha256 of
+Runs full fine-tuning, LoRA, DPO, a mixture of experts (Qwen3-MoE with its balancing loss), online RL (GRPO, the
+demo's exact-reversal reward) and distillation (half the steps on-policy) for 6 steps each on 2 CPU processes under FSDP2 (the demo's model, tokenizer and data, built offline), and writes, per run, the sha256 of
 `final_logits.safetensors`, of every exported tensor, and the logged losses exactly as `metrics.jsonl` has them.
 Run it before and after a refactor on the same machine and torch: `--compare` lists every digest that moved (and
 exits 1), or says that all are bit-identical.
@@ -27,7 +27,14 @@ LORA = {"peft.r": 8, "peft.target_modules": "[q_proj,k_proj,v_proj,o_proj,gate_p
 DPO = {"data.train_path": "{data}/pairs_train.jsonl", "data.eval_path": "{data}/pairs_eval.jsonl",
        "data.format": "auto", "preference.loss": "dpo", "preference.beta": 0.1,
        "train.micro_batch_size": 4}  # fmt: skip
-RUNS = {"full": {}, "lora": LORA, "dpo": DPO, "moe": {"model.name_or_path": "{moe}", "train.micro_batch_size": 4}}
+GRPO = {"recipe": "tiny_llama_grpo.yaml", "data.train_path": "{data}/prompts_train.jsonl",
+        "data.eval_path": "{data}/prompts_eval.jsonl", "eval.generate.samples": 16, "train.micro_batch_size": 2}  # fmt: skip
+DISTILL = {"recipe": "tiny_llama_distill.yaml", "model.name_or_path": "{assets}/student",
+           "distill.teacher": "{assets}/base"}  # fmt: skip
+RUNS = {
+    "full": {}, "lora": LORA, "dpo": DPO, "moe": {"model.name_or_path": "{moe}", "train.micro_batch_size": 4},
+    "grpo": GRPO, "distill": DISTILL,
+}  # fmt: skip
 
 
 def moe_base(assets: Path) -> Path:
@@ -50,16 +57,18 @@ def moe_base(assets: Path) -> Path:
 
 
 def launch(name: str, settings: dict, assets: Path, moe: Path, out: Path) -> Path:
+    settings = dict(settings)
+    recipe = settings.pop("recipe", "tiny_llama.yaml")
     values = {
         "model.name_or_path": assets / "base", "data.train_path": assets / "data" / "train.jsonl",
         "data.eval_path": assets / "data" / "eval.jsonl", "output.dir": out / name, "output.trackers": "[]", **STEPS,
-        **{key: str(value).format(data=assets / "data", moe=moe) for key, value in settings.items()},
+        **{key: str(value).format(assets=assets, data=assets / "data", moe=moe) for key, value in settings.items()},
     }  # fmt: skip
     wrap = ["--fsdp_transformer_layer_cls_to_wrap", "Qwen3MoeDecoderLayer"] if name == "moe" else []
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file",
         str(REPO / "accelerate_configs" / "fsdp2_full_shard.yaml"), "--num_processes", "2", "--mixed_precision", "no",
-        *wrap, "-m", "finetune", "train", str(REPO / "recipes" / "demo" / "tiny_llama.yaml"),
+        *wrap, "-m", "finetune", "train", str(REPO / "recipes" / "demo" / recipe),
         *(f"{key}={value}" for key, value in values.items()),
     ]  # fmt: skip
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)

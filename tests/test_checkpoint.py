@@ -260,3 +260,31 @@ def test_a_resume_names_every_setting_it_changes(tmp_path):
         "optim.lr: 0.003 -> 0.0001", "preference.beta: 0.1 -> 0.5", "preference.loss: dpo -> ipo",
     ]  # fmt: skip
     assert recipe_changes(tmp_path, load_recipe(DEMO_RECIPE, [*pairs, f"output.dir={tmp_path}"])) == []
+
+
+# Written by finetune at 82a1676, before the package was grouped into layers (tests/fixtures/checkpoint_82a1676/
+# README.md): a tiny Llama, 64 lists, and step 2 of a full and a LoRA run on 1 process, with the losses those runs
+# logged at steps 3 and 4 when they went on.
+OLD_CHECKPOINTS = REPO / "tests" / "fixtures" / "checkpoint_82a1676"
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_a_checkpoint_written_before_the_layout_change_resumes_exactly(tmp_path, kind):
+    checkpoint = tmp_path / "step_2"
+    shutil.copytree(OLD_CHECKPOINTS / kind / "step_2", checkpoint)
+    output_dir = tmp_path / "out"
+    adapters = ["peft.r=4", "peft.target_modules=[q_proj,v_proj]"] if kind == "lora" else []
+    overrides = [
+        f"model.name_or_path={OLD_CHECKPOINTS.relative_to(REPO) / 'base'}",  # as the checkpoint names it
+        f"data.train_path={OLD_CHECKPOINTS / 'data' / 'train.jsonl'}",
+        "data.eval_path=null", f"output.dir={output_dir}", "output.trackers=[]", "train.max_steps=4",
+        "train.log_every_steps=1", "train.eval_every_steps=0", "train.micro_batch_size=4",
+        "train.global_batch_size=null", "data.max_length=64", "eval.generate=null", "checkpoint.save_every_steps=2",
+        "optim.warmup_steps=1", "output.export=false", f"checkpoint.resume={checkpoint}", *adapters,
+    ]  # fmt: skip
+    result = launch("fsdp2_full_shard.yaml", overrides, num_processes=1)
+    assert result.returncode == 0, result.stderr[-4000:]
+    losses = {str(m["step"]): m["loss"] for m in LaunchedRun(result, output_dir).metrics() if "loss" in m}
+    expected = json.loads((OLD_CHECKPOINTS / kind / "losses_after_step_2.json").read_text())
+    assert losses.keys() == expected.keys(), "the run did not resume at step 2"
+    assert losses == pytest.approx(expected, rel=1e-6)
