@@ -125,7 +125,7 @@ def _ratio(
 def _parameters(model_dir: Path) -> int:
     from transformers import AutoConfig
 
-    from finetune.model import meta_model
+    from finetune.model.loading import meta_model
 
     return sum(p.numel() for p in meta_model(AutoConfig.from_pretrained(model_dir)).parameters())
 
@@ -137,7 +137,7 @@ def _version(package: str) -> str:
 
 
 def _free_port() -> int:
-    from finetune.distributed import free_port
+    from finetune.engine.processes import free_port
 
     return free_port()
 
@@ -161,7 +161,7 @@ class Bench:
         self.work, self.quick, self.repeats = work, quick, repeats
         self.curves: dict[str, list[float]] = {}  # loss curves to plot
         work.mkdir(parents=True, exist_ok=True)
-        from finetune import demo
+        from finetune.run import demo
 
         demo.build(str(work / "demo"))  # tokenizer and chat data (offline)
         self.data = work / "demo" / "data" / "train.jsonl"

@@ -1,4 +1,4 @@
-"""Rollout decoding on one GPU: tokens/s of each way `finetune.generation.complete` decodes, against the
+"""Rollout decoding on one GPU: tokens/s of each way `finetune.rollouts.generation.complete` decodes, against the
 memory-bandwidth bound.
 
     python bench/decode_gpu.py [--quick] [--prompts 8] [--group 8] [--prompt-tokens 148] [--new-tokens 512]
@@ -95,8 +95,8 @@ def measure(model, way: str, args, device) -> tuple[dict, list[list[int]]]:
     """One way, twice: the second run's tokens/s (every row's new tokens over the wall time)."""
     import torch
 
-    from finetune.generation import Sampling, complete, generating, row_noise
-    from finetune.static_decode import StaticDecoding
+    from finetune.rollouts.generation import Sampling, complete, generating, row_noise
+    from finetune.rollouts.static_decode import StaticDecoding
 
     generator = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size

@@ -11,7 +11,7 @@ plain module, no FSDP machinery), on several with the single-node preset (FSDP2 
 changed at a time (VARIANTS): the loss path, the attention path, the activation-checkpointing
 policy, regional compilation; then varlen with compile, and with liger-kernel's fused kernels (model.kernels)
 instead; each at every micro-batch given.
-Reported per GPU: tokens/s, MFU (finetune.flops: 6 N per token + 6 L d_attn n^2 per sample of n tokens,
+Reported per GPU: tokens/s, MFU (finetune.plan.flops: 6 N per token + 6 L d_attn n^2 per sample of n tokens,
 over the device's dense bf16 peak), the rows' fill and the step-1 peak memory. Results:
 bench/results/<date>-<commit>-gpu.json and .md, rewritten after every launch (a run stopped at a time
 limit keeps the rows it finished), whose table is what docs/benchmarks.md quotes. `--quick` runs a tiny
@@ -115,7 +115,8 @@ def write_results(rows: list[dict], device: str, config: str, seq: int, torch_ve
         "sequence_length": seq,
         "micro_batch": args.micro_batch,  # each row says its own
         "engine": ENGINES.get(config, "FSDP2 full shard") + f" ({config})",
-        "mfu_formula": "6 N per token + 6 L d_attn n^2 per sample of n tokens (finetune/flops.py); peak: dense bf16",
+        "mfu_formula": "6 N per token + 6 L d_attn n^2 per sample of n tokens (finetune/plan/flops.py); "
+        "peak: dense bf16",
         "rows": rows,
     }
     out = Path(args.out)
@@ -137,7 +138,7 @@ def build_model(work: Path, quick: bool) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from finetune import demo
+    from finetune.run import demo
 
     demo.build(str(work / "demo"))
     tokenizer = AutoTokenizer.from_pretrained(work / "demo" / "base")

@@ -26,10 +26,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from finetune import attention  # noqa: E402
 from finetune.config import PeftConfig  # noqa: E402
-from finetune.loss import batch_loss  # noqa: E402
-from finetune.recompute import checkpoint_kwargs, offload_layer_inputs, tile_mlps  # noqa: E402
+from finetune.engine import attention  # noqa: E402
+from finetune.engine.recompute import checkpoint_kwargs, offload_layer_inputs, tile_mlps  # noqa: E402
+from finetune.objectives.loss import batch_loss  # noqa: E402
 
 CASES = {
     "llama-3.2-1b full": ("recipes/llama/configs/Llama-3.2-1B-Instruct/config.json", None),
@@ -56,7 +56,7 @@ def build(config_file: str | None, peft: PeftConfig | None, device: torch.device
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention.NAME)
     if peft is not None:
-        from finetune.adapters import add_adapters
+        from finetune.model.adapters import add_adapters
 
         model = add_adapters(model, peft)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs("full"))
@@ -141,8 +141,9 @@ def search(case: str, offload: bool, device: torch.device, quick: bool, deadline
 def planned(case: str, offload: bool, device: torch.device) -> int:
     """`finetune plan`'s longest `data.max_length` for this case on this GPU (on CPU, for an 80 GB one)."""
     from finetune.config import load_recipe
-    from finetune.launch import read_launch
-    from finetune.plan import longest_fitting_length, model_shape, planned_model
+    from finetune.engine.launch import read_launch
+    from finetune.plan.shape import model_shape, planned_model
+    from finetune.plan.verdict import longest_fitting_length
 
     settings = ["train.micro_batch_size=1", "train.global_batch_size=null", "train.activation_checkpointing=full",
                 f"train.activation_offload={str(offload).lower()}", f"train.mlp_tile_tokens={TILE}",

@@ -17,8 +17,8 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from finetune.loss import batch_loss
-from finetune.memory import _peak, _reset_peak
+from finetune.engine.memory import _peak, _reset_peak
+from finetune.objectives.loss import batch_loss
 
 
 def saved_bytes(path: str, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:

@@ -1,12 +1,14 @@
-"""Digests of what four short demo runs leave behind, to show that a change of structure changes no number.
+"""Digests of what short demo runs leave behind, to show that a change of structure changes no number.
 
     python bench/same_outputs.py OUT.json [--compare BEFORE.json]
 
 Runs full fine-tuning, LoRA, DPO, a mixture of experts (Qwen3-MoE with its balancing loss), online RL (GRPO, the
-demo's exact-reversal reward) and distillation (half the steps on-policy) for 6 steps each on 2 CPU processes under FSDP2 (the demo's model, tokenizer and data, built offline), and writes, per run, the sha256 of
-`final_logits.safetensors`, of every exported tensor, and the logged losses exactly as `metrics.jsonl` has them.
-Run it before and after a refactor on the same machine and torch: `--compare` lists every digest that moved (and
-exits 1), or says that all are bit-identical.
+demo's exact-reversal reward; with a KL penalty to a frozen copy or to the adapters switched off), LoRA DPO and
+distillation (half the steps on-policy) for 6 steps each on 2 CPU processes under FSDP2 (the demo's model,
+tokenizer and data, built offline), and writes, per run, the sha256 of `final_logits.safetensors`, of every
+exported tensor, and the logged losses exactly as `metrics.jsonl` has them. Run it before and after a refactor on
+the same machine and torch: `--compare` lists every digest that moved (and exits 1), or says that all are
+bit-identical.
 """
 
 from __future__ import annotations
@@ -28,12 +30,18 @@ DPO = {"data.train_path": "{data}/pairs_train.jsonl", "data.eval_path": "{data}/
        "data.format": "auto", "preference.loss": "dpo", "preference.beta": 0.1,
        "train.micro_batch_size": 4}  # fmt: skip
 GRPO = {"recipe": "tiny_llama_grpo.yaml", "data.train_path": "{data}/prompts_train.jsonl",
-        "data.eval_path": "{data}/prompts_eval.jsonl", "eval.generate.samples": 16, "train.micro_batch_size": 2}  # fmt: skip
+        "data.eval_path": "{data}/prompts_eval.jsonl", "eval.generate.samples": 16,
+        "train.micro_batch_size": 2,
+        # a reward the demo's random base earns on some completions and not others, so that every step trains
+        "rl.rewards": "[{{function: regex, pattern: '.*7.*'}}]"}  # fmt: skip
 DISTILL = {"recipe": "tiny_llama_distill.yaml", "model.name_or_path": "{assets}/student",
            "distill.teacher": "{assets}/base"}  # fmt: skip
 RUNS = {
     "full": {}, "lora": LORA, "dpo": DPO, "moe": {"model.name_or_path": "{moe}", "train.micro_batch_size": 4},
     "grpo": GRPO, "distill": DISTILL,
+    # The references the weights seam gives: a frozen copy of the initial weights, or the adapters switched off.
+    "grpo_kl": {**GRPO, "rl.beta": 0.04}, "grpo_lora_kl": {**GRPO, **LORA, "rl.beta": 0.04},
+    "dpo_lora": {**DPO, **LORA},
 }  # fmt: skip
 
 

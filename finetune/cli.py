@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from finetune import quiet
+from finetune.engine import quiet
 from finetune.errors import FinetuneError
 
 EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
             _train(args.recipe, args.overrides)
         elif args.command in ("plan", "check"):
             from finetune.config import load_recipe
-            from finetune.launch import read_launch
-            from finetune.plan import check, parse_memory, plan
+            from finetune.engine.launch import read_launch
+            from finetune.plan.verdict import check, parse_memory, plan
 
             recipe = load_recipe(args.recipe, args.overrides)
             launch = read_launch(
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "export":
             import torch
 
-            # Not finetune.model: importing the transformers model classes would add a second to every export.
-            from finetune.export import export_checkpoint
+            # Not finetune.model.loading: importing the transformers model classes would add a second to every export.
+            from finetune.export.consolidate import export_checkpoint
 
             dtype = getattr(torch, EXPORT_DTYPES[args.dtype]) if args.dtype else None
             out = export_checkpoint(
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             print(f"exported {args.checkpoint} to {out}")
         else:
-            from finetune import demo
+            from finetune.run import demo
 
             demo.build(args.dir) if args.action == "build" else demo.report(args.dir, args.run, args.before)
     except FinetuneError as exc:
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"finetune: error on rank {_rank()}: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        from finetune.distributed import lost_peer
+        from finetune.engine.processes import lost_peer
 
         if _rank() == 0 or not lost_peer(exc):
             raise
@@ -109,11 +109,11 @@ def _train(recipe_path: str, overrides: list[str]) -> None:
 
     recipe = load_recipe(recipe_path, overrides)  # before the slow imports: typos fail fast
     use_expandable_segments(os.environ)
-    from finetune.distributed import shutdown
-    from finetune.export import export_checkpoint
-    from finetune.model import DTYPES
-    from finetune.outputs import run_lock
-    from finetune.train import preflight, train
+    from finetune.engine.processes import shutdown
+    from finetune.export.consolidate import export_checkpoint
+    from finetune.model.loading import DTYPES
+    from finetune.run.train import preflight, train
+    from finetune.storage.outputs import run_lock
 
     resume_from = preflight(recipe)
     # The main process owns output.dir until its export is written: a second run into it is refused.

@@ -53,7 +53,7 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     """Attention kernel passed to transformers: sdpa, eager, flash_attention_2, or `varlen`: packed rows
     attend by their sample boundaries, through torch's FlashAttention varlen kernel on GPUs (bf16/fp16) and
-    per-sample SDPA elsewhere, instead of through a dense block mask (finetune/attention.py)."""
+    per-sample SDPA elsewhere, instead of through a dense block mask (finetune/engine/attention.py)."""
 
     experts_implementation: Literal["grouped_mm", "batched_mm", "eager"] = "grouped_mm"
     """Mixtures of experts: how a layer's experts compute (transformers' experts implementations):
@@ -63,7 +63,7 @@ class ModelConfig:
 
     kernels: Literal["liger"] | None = None
     """`liger`: RMSNorm, SwiGLU and rotary embeddings in liger-kernel's fused Triton kernels (the `gpu` extra;
-    CUDA GPUs, dense models of the families liger-kernel knows: finetune/kernels.py). Unset: transformers' eager
+    CUDA GPUs, dense models of the families liger-kernel knows: finetune/model/kernels.py). Unset: transformers' eager
     operators, which regional compilation fuses instead."""
 
     trust_remote_code: bool = False
@@ -284,7 +284,7 @@ class TrainConfig:
     """Write metrics every this many optimizer steps."""
 
     activation_checkpointing: Literal[False, True, "none", "full", "selective", "auto"] = False
-    """What decoder layers keep for backward (`finetune.recompute`): `none` (false) everything; `full`
+    """What decoder layers keep for backward (`finetune.engine.recompute`): `none` (false) everything; `full`
     (true) only their input, recomputing the rest; `selective` matmul and attention outputs,
     recomputing the cheap rest; `auto`: the first of none, selective, full that `finetune plan`
     estimates to fit the GPU's memory (none on CPU, said in the log). Or set
@@ -292,18 +292,18 @@ class TrainConfig:
 
     activation_offload: bool = False
     """Keep what activation checkpointing keeps of each decoder layer (its input) in host memory, pinned, and bring
-    it back for the layer's backward (`finetune.recompute.offload_layer_inputs`): the activations left on the GPU
-    no longer grow with the layer count. Needs `activation_checkpointing` full or selective."""
+    it back for the layer's backward (`finetune.engine.recompute.offload_layer_inputs`): the activations left on the
+    GPU no longer grow with the layer count. Needs `activation_checkpointing` full or selective."""
 
     mlp_tile_tokens: int | None = None
     """Compute each decoder layer's MLP over tiles of this many tokens of the sequence, each recomputed in its
-    backward (`finetune.recompute.tile_mlps`, ALST's tiled MLP): the MLP's activations, the largest a layer makes
-    (4 x its intermediate width per token), exist for one tile at a time. For rows of tens of thousands of tokens
+    backward (`finetune.engine.recompute.tile_mlps`, ALST's tiled MLP): the MLP's activations, the largest a layer
+    makes (4 x its intermediate width per token), exist for one tile at a time. For rows of tens of thousands of tokens
     (`finetune plan` counts it); each MLP's forward runs once more. Unset: untiled. Not for mixtures of experts."""
 
     profile_steps: list[int] = field(default_factory=list)
     """[first, last]: record these optimizer steps (inclusive) with the torch profiler, a trace and a table per
-    process under `<output.dir>/profile/` (`finetune.profile`); [] records nothing."""
+    process under `<output.dir>/profile/` (`finetune.run.profile`); [] records nothing."""
 
     loss_path: Literal["chunked", "full_logits"] = "chunked"
     """`chunked`: logits only at positions with a target, projected and scored a chunk of rows at a
@@ -312,7 +312,7 @@ class TrainConfig:
 
     router_aux_loss_coef: float | None = None
     """Mixtures of experts: the weight of the routers' load-balancing loss added to the objective
-    (`finetune.routing`); unset: the model config's own coefficient (none for a dense model or one that
+    (`finetune.model.routing`); unset: the model config's own coefficient (none for a dense model or one that
     routes without it); 0 turns it off."""
 
     objective: str | None = None
@@ -417,7 +417,8 @@ class OutputConfig:
 
 @dataclass(kw_only=True)
 class GenerateConfig:
-    """Evaluation by generation (`finetune.generation`): held-out prompts answered greedily at every evaluation."""
+    """Evaluation by generation (`finetune.rollouts.generation`): held-out prompts answered greedily at every
+    evaluation."""
 
     samples: int = 200
     """How many eval samples are answered: the first ones of the eval split."""
@@ -446,7 +447,7 @@ class EvalConfig:
     """What an evaluation measures besides the objective's loss."""
 
     generate: GenerateConfig | None = None
-    """Answer held-out prompts by generation and score them (`finetune.generation`); unset: loss only."""
+    """Answer held-out prompts by generation and score them (`finetune.rollouts.generation`); unset: loss only."""
 
 
 @dataclass(kw_only=True)
@@ -577,13 +578,14 @@ class PreferenceConfig:
     def reference_free(self) -> bool:
         return self.loss in ("simpo", "orpo")
 
-    def resolved_reference(self, adapters: bool) -> str:
-        """The reference a run uses: precomputed, adapters (the model with its adapters off), model or none."""
+    def resolved_reference(self, base_switch: bool) -> str:
+        """The reference a run uses: precomputed, adapters (the model with its adapters off, where the weights have
+        that `base_switch`), model or none."""
         if self.reference != "auto":
             return self.reference
         if self.reference_free:
             return "none"
-        return "adapters" if adapters else "precomputed"
+        return "adapters" if base_switch else "precomputed"
 
     def errors(self) -> list[str]:
         errors = []
@@ -615,7 +617,7 @@ BUILTIN_REWARDS = ("exact_match", "regex", "overlong")
 
 @dataclass(kw_only=True)
 class RewardConfig:
-    """One reward of online RL (`finetune.rewards`): a built-in by name, or a function of your own."""
+    """One reward of online RL (`finetune.rollouts.rewards`): a built-in by name, or a function of your own."""
 
     function: str
     """`exact_match` (the completion, or what `pattern` extracts from it, equals the `column`'s value; both
@@ -709,7 +711,7 @@ class RLConfig:
 
     rollout_cache: Literal["dynamic", "static"] = "dynamic"
     """The rollouts' KV cache: `dynamic` grows by a token a step (transformers' DynamicCache; a rollout's rows
-    leave it as they end); `static` is allocated once and written in place (finetune/static_decode.py), so the
+    leave it as they end); `static` is allocated once and written in place (finetune/rollouts/static_decode.py), so the
     decoding step is compiled once and, on a GPU without per-layer gathering, replayed as a CUDA graph; rows leave
     it by halves. The same tokens either way (to float rounding: a static row attends over its whole cache)."""
 
@@ -851,7 +853,7 @@ class DistillConfig:
     teacher_top_k: int | None = None
     """Off-policy only: the teacher's k most likely tokens at every trained position, with their log-probabilities,
     computed once before the first step and cached beside the tokenized data under a key of the teacher's weights,
-    the rows and k (`finetune.teacher_table`); the divergence is then taken over those k tokens, both
+    the rows and k (`finetune.objectives.teacher_table`); the divergence is then taken over those k tokens, both
     distributions renormalized on them, and no teacher is in memory while training. None: the teacher runs beside
     the student at every step, over the whole vocabulary."""
 

@@ -20,7 +20,7 @@ from helpers import (
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory) -> Path:
     """The demo's base model, tokenizer and data, built offline by the real `finetune demo build`."""
-    from finetune import demo
+    from finetune.run import demo
 
     root = tmp_path_factory.mktemp("demo")
     demo.build(str(root))

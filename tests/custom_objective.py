@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader
 
 from finetune.config import RecipeConfig
 from finetune.data import IGNORE, SEQUENCES
-from finetune.loss import model_inputs
+from finetune.engine.wrap import reshard
 from finetune.objectives import BuildContext
-from finetune.wrap import reshard
+from finetune.objectives.loss import model_inputs
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune.distributed import free_port
+from finetune.engine.processes import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_RECIPE = REPO / "recipes" / "demo" / "tiny_llama.yaml"
@@ -152,7 +152,7 @@ def per_sample_eval_loss(model, tokenizer, eval_path: Path) -> float:
 
     from finetune.config import DataConfig
     from finetune.data import IGNORE, collate_padded, load_split, prepare_split
-    from finetune.loss import batch_loss
+    from finetune.objectives.loss import batch_loss
 
     cfg = DataConfig(train_path=str(eval_path), max_length=128, packing=False)
     samples, _ = prepare_split(load_split(cfg.train_path, "train"), tokenizer, cfg, seed=0)

@@ -29,16 +29,17 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from finetune import demo
-from finetune.adapters import add_adapters, quantization_config, storage_dtype
-from finetune.checkpoint import ADAPTER_STATE, MARKER, MODEL_FILES, check_resume_kind, trained_base
 from finetune.config import PeftConfig, load_recipe
+from finetune.engine.launch import environment_problems, read_launch
 from finetune.errors import FinetuneError
-from finetune.export import export_checkpoint
-from finetune.fingerprint import weights_fingerprint
-from finetune.launch import environment_problems, read_launch
-from finetune.model import load_model
-from finetune.plan import estimate, model_shape, planned_model
+from finetune.export.consolidate import export_checkpoint
+from finetune.model.adapters import add_adapters, quantization_config, storage_dtype
+from finetune.model.loading import load_model
+from finetune.plan.estimates import estimate
+from finetune.plan.shape import model_shape, planned_model
+from finetune.run import demo
+from finetune.storage.checkpoint import ADAPTER_STATE, MARKER, MODEL_FILES, check_resume_kind, trained_base
+from finetune.storage.fingerprint import weights_fingerprint
 
 pytestmark = pytest.mark.multiprocess
 
@@ -401,7 +402,7 @@ def test_adapters_resume_and_merge_only_on_the_base_they_trained_on(lora_run, de
 
 
 def open_weights_of_adapters(checkpoint: Path) -> dict[str, torch.Size]:
-    from finetune.weight_files import ShardedWeights
+    from finetune.export.weight_files import ShardedWeights
 
     return ShardedWeights(checkpoint / ADAPTER_STATE).shapes
 
@@ -417,7 +418,7 @@ def test_a_base_saved_quantized_trains_adapters_as_it_is_and_nothing_else(demo_a
     from transformers import AutoTokenizer, BitsAndBytesConfig
 
     from finetune.config import ModelConfig
-    from finetune.model import check_quantized_base
+    from finetune.model.loading import check_quantized_base
 
     base = tmp_path / "tiny-bnb-4bit"
     stored = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
@@ -453,7 +454,7 @@ def test_a_base_saved_quantized_trains_adapters_as_it_is_and_nothing_else(demo_a
 def test_resuming_with_other_adapter_settings_names_the_setting(lora_run):
     """A checkpoint's adapters resume only under the settings they trained with: fewer target modules would
     drop trained adapters silently, another rank or method would fail deep inside the load."""
-    from finetune.adapters import check_resume_adapters
+    from finetune.model.adapters import check_resume_adapters
 
     step_4 = lora_run.output_dir / "checkpoints" / "step_4"
     same = load_recipe(lora_run.output_dir / "recipe.yaml").peft

@@ -1,4 +1,4 @@
-"""The varlen attention path (finetune/attention.py) against the block-mask SDPA reference: same loss and
+"""The varlen attention path (finetune/engine/attention.py) against the block-mask SDPA reference: same loss and
 gradients on packed rows of several architectures; the traps of packed rows under the other kernels; the
 models it refuses; and, where a GPU is present, torch's FlashAttention varlen kernel against the reference."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 import transformers
 
-from finetune import attention
 from finetune.data import IGNORE
-from finetune.flops import model_flops
-from finetune.loss import batch_loss, model_inputs
+from finetune.engine import attention
+from finetune.objectives.loss import batch_loss, model_inputs
+from finetune.plan.flops import model_flops
 
 SMALL = {"vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
 ARCHITECTURES = {

@@ -11,7 +11,7 @@ import sys
 import pytest
 from helpers import REPO
 
-from finetune.flops import flops_per_token, peak_flops
+from finetune.plan.flops import flops_per_token, peak_flops
 
 pytestmark = pytest.mark.multiprocess
 
@@ -180,7 +180,7 @@ def test_gpu_check_skips_what_its_budget_cannot_hold_and_runs_the_steps_it_is_gi
 def test_model_flops_per_token_follow_the_stated_formula():
     from transformers import AutoConfig
 
-    from finetune.model import meta_model
+    from finetune.model.loading import meta_model
 
     configs = REPO / "recipes" / "llama" / "configs"
     untied = meta_model(AutoConfig.from_pretrained(configs / "Llama-3.1-8B-Instruct" / "config.json"))

@@ -328,7 +328,7 @@ def test_named_chat_templates_train_with_the_default_or_the_one_named(base_token
     """Tokenizers that ship a dict of named templates (Hermes-2-Pro, Command-R) render with the default one,
     or the one data.chat_template names; saved with the default resolved, as exports carry it."""
     from finetune.config import ModelConfig
-    from finetune.model import load_tokenizer
+    from finetune.model.loading import load_tokenizer
 
     tokenizer = family_tokenizer(base_tokenizer, "qwen-2.5")
     tokenizer.chat_template = {"default": QWEN_2_5, "tool_use": TOOLS}

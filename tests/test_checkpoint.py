@@ -23,9 +23,9 @@ from helpers import (
 )
 from safetensors.torch import load_file
 
-from finetune.checkpoint import MARKER, TrainingState, load_checkpoint, recipe_changes, resolve_resume
 from finetune.config import load_recipe, save_recipe
 from finetune.errors import FinetuneError
+from finetune.storage.checkpoint import MARKER, TrainingState, load_checkpoint, recipe_changes, resolve_resume
 
 pytestmark = pytest.mark.multiprocess
 
@@ -132,7 +132,7 @@ def test_asynchronous_saves_write_the_same_checkpoints_and_resume_exactly(uninte
 def test_asynchronous_saves_need_sharded_fsdp2():
     from types import SimpleNamespace
 
-    from finetune.checkpoint import async_saver
+    from finetune.storage.checkpoint import async_saver
 
     ddp = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=None))
     with pytest.raises(FinetuneError, match="checkpoint.async_save needs full fine-tuning under FSDP2 with"):

@@ -14,7 +14,7 @@ from accelerate.utils.other import compile_regions_fsdp2
 from test_loss import ARCHITECTURES, packed_batch
 from torch._dynamo.utils import counters
 
-from finetune.loss import batch_loss
+from finetune.objectives.loss import batch_loss
 
 SHAPES = {
     **{name: ARCHITECTURES[name] for name in ("llama", "qwen2", "mistral")},
@@ -67,7 +67,7 @@ def test_the_gpu_varlen_path_compiled_as_accelerate_launches_it_does_not_recompi
     """accelerate's launcher compiles with `dynamic=False`; the GPU kernel takes the samples' boundaries as a
     tensor whose length is the batch's sample count. Unless that length is marked dynamic, every new count
     recompiles each layer (an H200 ran 2.2 s a step against eager's 0.36-0.69 s)."""
-    from finetune import attention
+    from finetune.engine import attention
 
     monkeypatch.setattr(attention, "_flash_runs", lambda device, dtype: True)
     monkeypatch.setattr(attention, "_varlen_attn", lambda: _block_causal_kernel)
@@ -111,14 +111,14 @@ def test_regional_compilation_under_fsdp2_and_checkpointing_trains_as_eager(fsdp
 
 
 def test_regionally_compiled_shared_rollout_rows_train_as_eager():
-    """Online RL's shared rows (a prompt once, its completions after it: `finetune.shared_attention`) through
+    """Online RL's shared rows (a prompt once, its completions after it: `finetune.engine.shared_attention`) through
     compiled layers: no graph break, the eager log-probabilities and gradients, as prompt lengths change."""
     from helpers import tiny_config
 
-    from finetune import shared_attention
     from finetune.data.pack import with_host_indices
     from finetune.data.rollout import shared_rows
-    from finetune.loss import token_logps
+    from finetune.engine import shared_attention
+    from finetune.objectives.loss import token_logps
 
     torch._dynamo.reset()
     counters.clear()

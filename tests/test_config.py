@@ -182,8 +182,8 @@ def test_check_and_training_refuse_the_same_launches(config, overrides, message)
     environment `accelerate launch` sets: one list (`recipe_launch_problems`), before anything loads."""
     from accelerate.commands.config.config_args import load_config_from_file
 
-    from finetune.launch import environment_problems, read_launch
-    from finetune.plan import check, parse_memory
+    from finetune.engine.launch import environment_problems, read_launch
+    from finetune.plan.verdict import check, parse_memory
 
     recipe = load_recipe(REPO / "recipes" / "demo" / "tiny_llama.yaml", overrides)
     launch = read_launch(REPO / "accelerate_configs" / config, 2, 1, for_launch=False)
@@ -213,7 +213,7 @@ def test_a_renamed_key_keeps_working_with_a_note_naming_the_new_one(tmp_path, ca
 def test_a_global_batch_gives_the_accumulation_of_each_launch_and_is_refused_where_it_does_not_divide():
     from helpers import DEMO_RECIPE, GRPO_RECIPE
 
-    from finetune.launch import environment_problems
+    from finetune.engine.launch import environment_problems
 
     sft, rl = load_recipe(DEMO_RECIPE, []), load_recipe(GRPO_RECIPE, [])
     assert (sft.train.global_batch_size, sft.train.micro_batch_size) == (16, 8)

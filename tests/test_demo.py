@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from finetune import demo
+from finetune.run import demo
 
 
 def test_build_is_offline_and_idempotent(demo_assets, capsys):

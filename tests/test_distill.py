@@ -12,13 +12,13 @@ import torch
 from helpers import DISTILL_RECIPE, LaunchedRun, launch
 from safetensors.torch import load_file
 
-from finetune.batch import IGNORE
 from finetune.config import ConfigError, load_recipe
 from finetune.data.pack import collate_packed
 from finetune.data.rollout import reply_prompts
-from finetune.divergence import Spec, distill_losses, token_divergence
+from finetune.engine.batch import IGNORE
 from finetune.errors import FinetuneError
 from finetune.objectives.distill import on_policy
+from finetune.objectives.divergence import Spec, distill_losses, token_divergence
 
 # ---- The loss against TRL's GKDTrainer.generalized_jsd_loss, on the same logits.
 
@@ -79,9 +79,9 @@ def _packed_batch(vocab: int = 48) -> dict[str, torch.Tensor]:
 def test_the_chunked_path_equals_full_logits_in_loss_and_gradients(monkeypatch, divergence, sft_weight):
     """A chunk of 2 rows at a time (patched), against both models' logits whole: the same token losses and the same
     gradients of every student parameter; the teacher gets none."""
-    import finetune.divergence
+    import finetune.objectives.divergence
 
-    monkeypatch.setattr(finetune.divergence, "chunk_rows", lambda vocab, device: 8)
+    monkeypatch.setattr(finetune.objectives.divergence, "chunk_rows", lambda vocab, device: 8)
     teacher, student = _tiny(0, 32, 3), _tiny(1, 16, 2)
     teacher.requires_grad_(False)
     batch = _packed_batch()
@@ -132,8 +132,8 @@ def test_a_table_of_the_whole_vocabulary_teaches_as_the_teacher_itself_and_a_top
     """With k the vocabulary, the table's divergence, cross-entropy and every student gradient are the live
     teacher's; with k=5, the divergence is over the teacher's 5 likeliest tokens, both distributions renormalized
     on them (computed here from both models' whole logits)."""
-    from finetune.loss import model_inputs
-    from finetune.teacher_table import teacher_top_k
+    from finetune.objectives.loss import model_inputs
+    from finetune.objectives.teacher_table import teacher_top_k
 
     teacher, student = _tiny(0, 32, 3), _tiny(1, 16, 2)
     teacher.requires_grad_(False)
@@ -182,7 +182,7 @@ def test_the_table_is_stored_under_its_key_read_back_by_row_and_never_read_for_a
     from accelerate import Accelerator
 
     from finetune.data import _with_row_index
-    from finetune.teacher_table import compute_table, read_table, table_folder, table_key, teacher_top_k
+    from finetune.objectives.teacher_table import compute_table, read_table, table_folder, table_key, teacher_top_k
 
     teacher = _tiny(0, 32, 3)
     teacher.requires_grad_(False)
@@ -355,8 +355,9 @@ def test_a_teacher_table_computed_on_two_processes_is_read_back_by_a_resume_on_o
 def test_the_plan_counts_the_teacher_sharded_or_its_table_and_the_on_policy_rollouts(demo_assets):
     from helpers import CONFIGS
 
-    from finetune.launch import read_launch
-    from finetune.plan import estimate, recipe_shape
+    from finetune.engine.launch import read_launch
+    from finetune.plan.estimates import estimate
+    from finetune.plan.shape import recipe_shape
 
     settings = [f"model.name_or_path={demo_assets / 'student'}", f"distill.teacher={demo_assets / 'base'}",
                 f"data.train_path={demo_assets / 'data' / 'train.jsonl'}", "data.eval_path=null",
@@ -385,8 +386,8 @@ def test_the_plan_counts_the_teacher_sharded_or_its_table_and_the_on_policy_roll
 def test_finetune_check_refuses_a_teacher_that_is_not_there_naming_the_setting(demo_assets, tmp_path):
     from helpers import CONFIGS
 
-    from finetune.launch import read_launch
-    from finetune.plan import check
+    from finetune.engine.launch import read_launch
+    from finetune.plan.verdict import check
 
     missing = tmp_path / "no_teacher"
     recipe = load_recipe(
@@ -397,7 +398,7 @@ def test_finetune_check_refuses_a_teacher_that_is_not_there_naming_the_setting(d
 
 
 def test_launches_distillation_cannot_run_are_refused_before_anything_loads():
-    from finetune.launch import environment_problems
+    from finetune.engine.launch import environment_problems
 
     recipe = load_recipe(DISTILL_RECIPE, ["eval.generate=null"])  # on-policy half the steps
     (problem,) = environment_problems(recipe, {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "WORLD_SIZE": "2"})

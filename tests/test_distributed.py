@@ -7,9 +7,9 @@ import torch
 from accelerate.utils import FullyShardedDataParallelPlugin
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-from finetune.distributed import _check_launch_environment
+from finetune.engine.accelerator import _check_launch_environment
 from finetune.errors import FinetuneError
-from finetune.model import checkpoint_dropout_exactly, dropout_site
+from finetune.model.loading import checkpoint_dropout_exactly, dropout_site
 
 
 def test_bf16_on_a_gpu_without_bf16_names_the_fix(monkeypatch):
@@ -70,8 +70,9 @@ def test_under_bf16_fsdp2_the_loss_and_log_probs_stay_fp32():
     from torch.distributed.fsdp import fully_shard
 
     from finetune.data import IGNORE
-    from finetune.distributed import _mixed_precision_policy, free_port
-    from finetune.loss import batch_loss, sequence_logps
+    from finetune.engine.accelerator import _mixed_precision_policy
+    from finetune.engine.processes import free_port
+    from finetune.objectives.loss import batch_loss, sequence_logps
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

@@ -83,7 +83,7 @@ def test_a_fresh_run_that_fails_leaves_no_earlier_results_beside_its_recipe(tmp_
 def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path, demo_assets):
     import os
 
-    from finetune.outputs import run_lock
+    from finetune.storage.outputs import run_lock
 
     output_dir = tmp_path / "out"
     with run_lock(output_dir):  # as a running training's main process holds it
@@ -93,7 +93,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path, demo_assets):
 
 
 def test_metrics_are_strict_json():
-    from finetune.metrics import json_line
+    from finetune.run.metrics import json_line
 
     assert json_line({"step": 3, "loss": float("inf"), "grad_norm": float("nan"), "lr": 1e-3}) == (
         '{"step": 3, "loss": null, "grad_norm": null, "lr": 0.001}'
@@ -117,7 +117,7 @@ def test_a_data_error_under_two_processes_is_one_line(tmp_path, demo_assets):
 def test_damaged_model_weights_are_a_user_error(tmp_path, demo_assets):
     from finetune.config import ModelConfig
     from finetune.errors import FinetuneError
-    from finetune.model import check_max_length, load_model
+    from finetune.model.loading import check_max_length, load_model
 
     model = tmp_path / "model"
     shutil.copytree(demo_assets / "base", model)
@@ -218,7 +218,7 @@ def test_a_gated_model_without_a_login_is_one_line_naming_the_fix(monkeypatch):
 
     from finetune.config import ModelConfig
     from finetune.errors import FinetuneError
-    from finetune.model import load_tokenizer
+    from finetune.model.loading import load_tokenizer
 
     def refuse(*args, **kwargs):
         raise OSError(

@@ -16,8 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from finetune.checkpoint import MARKER, MODEL_FILES, TENSOR_NAMES
-from finetune.export import FINAL_LOGITS
+from finetune.export.consolidate import FINAL_LOGITS
+from finetune.storage.checkpoint import MARKER, MODEL_FILES, TENSOR_NAMES
 
 pytestmark = pytest.mark.multiprocess
 

@@ -7,11 +7,11 @@ import shutil
 
 from helpers import DEMO_RECIPE, flip_one_weight_between_samples
 
-from finetune import fingerprint
 from finetune.config import load_recipe
-from finetune.fingerprint import file_digest, matches, sampled_fingerprint, weights_fingerprint
-from finetune.model import base_fingerprint
-from finetune.reference import reference_key
+from finetune.model.loading import base_fingerprint
+from finetune.objectives.reference import reference_key
+from finetune.storage import fingerprint
+from finetune.storage.fingerprint import file_digest, matches, sampled_fingerprint, weights_fingerprint
 
 
 def test_one_changed_weight_changes_the_fingerprint_and_a_copy_keeps_it(demo_assets, tmp_path):

@@ -73,8 +73,8 @@ def test_generation_needs_eval_data_and_prompts_of_its_own():
 def test_generation_past_the_models_positions_is_refused_before_training(demo_assets, tmp_path):
     import types
 
-    from finetune.build import setup_generation
-    from finetune.generation import Prompt
+    from finetune.data.prompts import Prompt
+    from finetune.run.build import setup_generation
 
     overrides = recipe_overrides(demo_assets, tmp_path, **{"eval.generate.max_new_tokens": 250})
     recipe = load_recipe(DEMO_RECIPE, overrides)  # the demo model has 256 positions
@@ -126,9 +126,9 @@ def test_generation_scores_the_same_on_one_process_two_and_a_sequence_group(
 LOCK_STEP_SCRIPT = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from finetune.distributed import build_accelerator
-from finetune.generation import Sampling, complete, generating, row_noise
-from finetune.static_decode import StaticDecoding
+from finetune.engine.accelerator import build_accelerator
+from finetune.rollouts.generation import Sampling, complete, generating, row_noise
+from finetune.rollouts.static_decode import StaticDecoding
 
 base, out = sys.argv[1], sys.argv[2]
 accelerator = build_accelerator(trackers=[], project_dir=out, recipe_activation_checkpointing=False,

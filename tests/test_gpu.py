@@ -17,7 +17,7 @@ from helpers import LaunchedRun, launch, recipe_overrides
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from finetune.checkpoint import MARKER
+from finetune.storage.checkpoint import MARKER
 
 pytestmark = [pytest.mark.cuda, pytest.mark.multiprocess]
 

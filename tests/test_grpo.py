@@ -17,8 +17,10 @@ from safetensors.torch import load_file
 
 from finetune.config import RewardConfig, RLConfig, load_recipe
 from finetune.errors import FinetuneError
-from finetune.objectives.grpo import GRPO, advantages, summed_loss, token_losses
-from finetune.rewards import build_rewards, check_columns, score
+from finetune.objectives.advantages import advantages
+from finetune.objectives.grpo import GRPO
+from finetune.objectives.policy_loss import summed_loss, token_losses
+from finetune.rollouts.rewards import build_rewards, check_columns, score
 
 # ---- The loss and advantages, against TRL's GRPOTrainer on the same log-probabilities, rewards and masks.
 
@@ -234,13 +236,13 @@ def none_reward(completions, **kwargs):
 def test_a_reward_that_scores_nothing_gives_no_signal_is_logged_absent_and_warned_once_a_window(capsys):
     """A function returning None for every completion: no group has two scored completions, so none carries signal;
     the window logs no reward (0 would read as one) and says why on one line."""
-    from finetune.objectives.grpo import _Window
+    from finetune.objectives.rollout_metrics import RolloutWindow
 
     (nothing,) = build_rewards([RewardConfig(function="test_grpo:none_reward")])
     per_function = score([nothing], ["p"] * 8, ["a"] * 8, [[1]] * 8, {})
     _, rewards, no_signal = advantages(per_function, torch.tensor([1.0]), 4, "group")
     assert no_signal.all()
-    window = _Window(("none_reward",))
+    window = RolloutWindow(("none_reward",))
     window.add_rollout(rewards, per_function, [3] * 8, [False] * 8, no_signal, 4, 0.1)
     accelerator = types.SimpleNamespace(device=torch.device("cpu"), num_processes=1, reduce=lambda t, _: t,
                                         print=print)  # fmt: skip
@@ -314,7 +316,7 @@ def test_rl_settings_a_run_cannot_honour_are_refused(overrides, message):
 def test_seeded_sampling_does_not_depend_on_the_batch(demo_assets):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.generation import Sampling, complete, generating, row_noise
+    from finetune.rollouts.generation import Sampling, complete, generating, row_noise
 
     model = AutoModelForCausalLM.from_pretrained(demo_assets / "base", dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(demo_assets / "base")
@@ -349,10 +351,10 @@ def test_seeded_sampling_does_not_depend_on_the_batch(demo_assets):
 def test_shared_rows_train_what_separate_rows_train(model_type, path):
     from transformers import AutoModelForCausalLM
 
-    from finetune import shared_attention
     from finetune.data.pack import with_host_indices
     from finetune.data.rollout import separate_rows, shared_rows
-    from finetune.loss import token_logps
+    from finetune.engine import shared_attention
+    from finetune.objectives.loss import token_logps
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="sdpa").double()
@@ -388,10 +390,10 @@ def test_completions_attention_is_recomputed_once_in_backward(monkeypatch, layer
     (activation checkpointing), still two, not three."""
     from transformers import AutoModelForCausalLM
 
-    from finetune import shared_attention
     from finetune.data.pack import with_host_indices
     from finetune.data.rollout import shared_rows
-    from finetune.loss import token_logps
+    from finetune.engine import shared_attention
+    from finetune.objectives.loss import token_logps
 
     passes = []
     completions = shared_attention._completions
@@ -622,7 +624,7 @@ def test_every_prompt_is_checked_when_read_and_a_prefill_is_continued(demo_asset
     assert text.endswith("<|assistant|>2") and text.count("<|assistant|>") == 1
     # The reward sees the prefill as the start of the reply, and the prompt without it (TRL's bootstrap).
     objective = GRPO(RLConfig(rewards=[]), None, build_rewards([RewardConfig(function="test_grpo:seen_reward")]),
-                     tokenizer, seed=0, reference="none")  # fmt: skip
+                     tokenizer, seed=0)  # fmt: skip
     batch = {"columns": {"prompt": [prefill], "answer": ["2 1"]}}
     objective._score([batch], [tokenizer(" 1<|end|>", add_special_tokens=False)["input_ids"]], repeats=1)
     assert SEEN["prompts"] == [prefill[:1]] and SEEN["completions"] == [[{"role": "assistant", "content": "2 1"}]]
@@ -656,8 +658,8 @@ def test_the_soft_overlong_penalty_equals_trl_and_its_settings_are_checked():
 
 
 def test_dynamic_sampling_is_refused_without_room_and_warns_when_it_runs_out_of_rounds():
-    from finetune.build import max_steps_of
-    from finetune.objectives.grpo import _warnings
+    from finetune.objectives.rollout_metrics import _warnings
+    from finetune.run.build import max_steps_of
 
     recipe = load_recipe(GRPO_RECIPE, ["rl.dynamic_sampling_rounds=3"])
     assert max_steps_of(recipe, list(range(8)), 2) == recipe.train.max_steps  # 4 steps' prompts an epoch
@@ -674,7 +676,7 @@ def _decoding_case(demo_assets):
     rows end at many different steps."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.generation import Sampling, complete, generating, row_noise
+    from finetune.rollouts.generation import Sampling, complete, generating, row_noise
 
     model = AutoModelForCausalLM.from_pretrained(demo_assets / "base", dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(demo_assets / "base")
@@ -693,7 +695,7 @@ def _decoding_case(demo_assets):
 def test_the_decoding_loop_writes_what_generate_writes_with_ended_rows_leaving(demo_assets):
     """`complete`'s own loop (rows that end leave the batch and the cache) against transformers' `generate` (the
     reference, which decodes every row to the end): the same tokens, greedy and sampled, grouped or not."""
-    from finetune.generation import complete, decodes_itself, generating
+    from finetune.rollouts.generation import complete, decodes_itself, generating
 
     model, tokenizer, accelerator, repeated, sampling = _decoding_case(demo_assets)
     with torch.no_grad(), generating(model):
@@ -707,14 +709,14 @@ def test_the_decoding_loop_writes_what_generate_writes_with_ended_rows_leaving(d
 
 
 def test_the_static_cache_loop_writes_what_the_dynamic_one_writes_compiling_once_per_half(demo_assets):
-    """`rl.rollout_cache: static` (finetune/static_decode.py): the loop over a static cache, whose rows move to
-    its first half, quarter... as rows end, writes the tokens of the dynamic loop, greedy and sampled, grouped or
+    """`rl.rollout_cache: static` (finetune/rollouts/static_decode.py): the loop over a static cache, whose rows move
+    to its first half, quarter... as rows end, writes the tokens of the dynamic loop, greedy and sampled, grouped or
     not; eagerly and with its step compiled (aot_eager here: the graphs inductor and CUDA graphs would take), one
     graph per half of the cache it ran on, none more for a second rollout of the same shape."""
     from torch._dynamo.utils import counters
 
-    from finetune.generation import complete, generating
-    from finetune.static_decode import StaticDecoding
+    from finetune.rollouts.generation import complete, generating
+    from finetune.rollouts.static_decode import StaticDecoding
 
     model, tokenizer, accelerator, repeated, sampling = _decoding_case(demo_assets)
     eager, compiled = StaticDecoding(None), StaticDecoding({"backend": "aot_eager"})

@@ -1,4 +1,4 @@
-"""model.kernels: liger (finetune/kernels.py). Its Triton kernels run on CUDA only: here, that a run which cannot
+"""model.kernels: liger (finetune/model/kernels.py). Its Triton kernels run on CUDA only: here, that a run which cannot
 use them is refused in one line before anything loads; on a GPU (`make test-gpu`), that a model patched with them
 trains as the eager one does, to bf16's rounding, under the same parameter names."""
 
@@ -13,7 +13,7 @@ import transformers
 from helpers import REPO, tiny_config
 
 from finetune.errors import FinetuneError
-from finetune.kernels import check_kernels, fuse
+from finetune.model.kernels import check_kernels, fuse
 
 LIGER = importlib.util.find_spec("liger_kernel") is not None
 

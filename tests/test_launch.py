@@ -7,8 +7,8 @@ import subprocess
 import pytest
 from helpers import CONFIGS, REPO
 
+from finetune.engine.launch import read_launch
 from finetune.errors import FinetuneError
-from finetune.launch import read_launch
 
 
 def problems(config: str, processes: int, machines: int, **options) -> str:

@@ -37,7 +37,7 @@ def test_a_normal_run_prints_only_its_own_lines(fsdp2_run):
 def test_verbose_leaves_the_libraries_as_they_are(monkeypatch):
     import logging
 
-    from finetune import quiet
+    from finetune.engine import quiet
 
     monkeypatch.setenv(quiet.VERBOSE, "1")
     accelerate = logging.getLogger("accelerate")

@@ -12,13 +12,13 @@ from accelerate import Accelerator
 from torch.overrides import TorchFunctionMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from finetune import attention
 from finetune.config import PreferenceConfig
 from finetune.data import IGNORE, collate_packed, collate_padded
 from finetune.data.preference import collate_pairs
-from finetune.loop import train_step
-from finetune.loss import batch_loss
+from finetune.engine import attention
 from finetune.objectives import Preference, Supervised
+from finetune.objectives.loss import batch_loss
+from finetune.run.loop import train_step
 
 
 def rows_with_uneven_targets() -> list[dict]:
@@ -79,9 +79,9 @@ def test_update_is_the_gradient_of_the_per_token_mean(model):
 def test_epochs_become_steps_and_too_little_data_is_an_error():
     from helpers import DEMO_RECIPE
 
-    from finetune.build import max_steps_of
     from finetune.config import load_recipe
     from finetune.errors import FinetuneError
+    from finetune.run.build import max_steps_of
 
     by_epochs = load_recipe(
         DEMO_RECIPE,

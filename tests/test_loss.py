@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from finetune import loss as loss_module
 from finetune.data import IGNORE
-from finetune.loss import batch_loss, chunked_loss_unsupported
+from finetune.objectives import loss as loss_module
+from finetune.objectives.loss import batch_loss, chunked_loss_unsupported
 
 SMALL = {"vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
 ARCHITECTURES = {
@@ -191,7 +191,7 @@ def test_packed_rows_become_one_row_for_flash_attention(monkeypatch):
     """transformers finds packed samples' boundaries from position_ids for flash attention only in a batch of
     one row; with more, every row would attend across its samples. Packed rows go in as one row then, and
     give the losses of the rows (checked under SDPA, which reads one row's restarts the same way)."""
-    from finetune.loss import _flash_attention, model_inputs
+    from finetune.objectives.loss import _flash_attention, model_inputs
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(ARCHITECTURES["llama"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers import LaunchedRun, launch, recipe_overrides
 
-from finetune.memory import FIELDS
+from finetune.engine.memory import FIELDS
 
 pytestmark = pytest.mark.multiprocess
 

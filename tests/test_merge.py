@@ -13,11 +13,11 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import save_file
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from finetune.adapters import add_adapters
 from finetune.config import PeftConfig
 from finetune.errors import FinetuneError
-from finetune.merge import MergedWeights, model_weight_files, transposed_layers
-from finetune.weight_files import SafetensorsWeights
+from finetune.export.merge import MergedWeights, model_weight_files, transposed_layers
+from finetune.export.weight_files import SafetensorsWeights
+from finetune.model.adapters import add_adapters
 
 
 def llama() -> LlamaForCausalLM:

@@ -11,8 +11,8 @@ import torch
 from helpers import launch, recipe_overrides
 
 from finetune.config import ModelConfig
-from finetune.model import load_tokenizer, meta_model
-from finetune.model_files import default_template, save_model_files
+from finetune.export.model_files import default_template, save_model_files
+from finetune.model.loading import load_tokenizer, meta_model
 
 # A Mistral-v0.1-style template, kept in tokenizer_config.json as those bases keep it.
 _TEMPLATE = (
@@ -123,7 +123,7 @@ def test_config_overrides_reach_the_model_and_the_files_written_with_it(demo_ass
     """model.config_overrides (a longer context by RoPE scaling): the loaded model computes with them and its
     config.json, as checkpoints and exports write it, carries them; a name the config lacks is refused."""
     from finetune.errors import FinetuneError
-    from finetune.model import load_model
+    from finetune.model.loading import load_model
 
     scaled = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
     base = load_model(ModelConfig(name_or_path=str(demo_assets / "base")), "none")
@@ -160,7 +160,7 @@ def test_config_overrides_transformers_would_fail_on_or_that_reshape_weights_are
     """A typo in a RoPE override was a KeyError in the middle of loading; an override of a shape field loaded the
     checkpoint with those weights initialized at random, in a report few read."""
     from finetune.errors import FinetuneError
-    from finetune.model import load_model_config
+    from finetune.model.loading import load_model_config
 
     with pytest.raises(FinetuneError, match=message):
         load_model_config(ModelConfig(name_or_path=str(demo_assets / "base"), config_overrides=overrides))

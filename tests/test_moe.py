@@ -1,5 +1,5 @@
-"""Mixtures of experts: exports in the hub's layout, active-parameter FLOPs (finetune.family), fp32 routing and the
-balancing loss (finetune.routing)."""
+"""Mixtures of experts: exports in the hub's layout, active-parameter FLOPs (finetune.model.family), fp32 routing and
+the balancing loss (finetune.model.routing)."""
 
 from __future__ import annotations
 
@@ -19,12 +19,10 @@ from safetensors.torch import load_file, save_file
 from test_export import max_logits_difference
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from finetune import merge as merge_module
-from finetune.checkpoint import MARKER, MODEL_FILES
 from finetune.errors import FinetuneError
-from finetune.family import active_parameters, experts_of
-from finetune.flops import model_flops
-from finetune.routing import (
+from finetune.export import merge as merge_module
+from finetune.model.family import active_parameters, experts_of
+from finetune.model.routing import (
     BalancingLoss,
     balancing_coefficient,
     check_grouped_mm_shapes,
@@ -32,6 +30,8 @@ from finetune.routing import (
     route_in_fp32,
     routers,
 )
+from finetune.plan.flops import model_flops
+from finetune.storage.checkpoint import MARKER, MODEL_FILES
 
 # The families transformers converts between the hub's per-expert tensors and its fused ones, and gpt-oss
 # (published fused: kept as it is).
@@ -120,7 +120,8 @@ def test_plan_counts_the_activations_of_routed_experts_and_of_eager_attention(mo
     """`finetune plan`'s activation estimate against the bytes a forward saves for backward: a mixture of experts'
     MLP is as wide as the top k experts a token goes through (plus its routed copies), and eager attention (which
     gpt-oss needs) keeps each layer's n x n scores, which dwarf the rest at a few hundred tokens."""
-    from finetune.plan import activation_bytes, model_shape
+    from finetune.plan.estimates import activation_bytes
+    from finetune.plan.shape import model_shape
 
     torch.manual_seed(0)
     config = tiny_config(model_type, hidden_size=128, head_dim=32, moe_intermediate_size=64, vocab_size=256)
@@ -210,7 +211,8 @@ def test_under_bf16_fsdp2_routers_compute_in_fp32(model_type):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from finetune.distributed import _mixed_precision_policy, free_port
+    from finetune.engine.accelerator import _mixed_precision_policy
+    from finetune.engine.processes import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
@@ -386,8 +388,8 @@ def test_expert_shapes_grouped_mm_cannot_take_are_refused_with_the_fix():
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"])
 def test_all_linear_adapts_linear_layers_and_leaves_routers_and_experts_alone(model_type):
-    from finetune.adapters import add_adapters
     from finetune.config import PeftConfig
+    from finetune.model.adapters import add_adapters
 
     adapted = add_adapters(AutoModelForCausalLM.from_config(tiny_config(model_type)), PeftConfig())
     layers = {name.split(".lora_A")[0].split("layers.1.")[-1] for name, _ in adapted.named_parameters()
@@ -478,12 +480,12 @@ def test_expert_adapters_merge_into_the_hub_layout_as_peft_merges_them(model_typ
     PEFT's merge_and_unload saved by save_pretrained, tensor for tensor, and computes the adapted model's logits."""
     from peft import get_peft_model_state_dict
 
-    from finetune.adapters import add_adapters
     from finetune.config import PeftConfig
-    from finetune.family import HubLayout
-    from finetune.merge import ExpertUpdates, MergedWeights, model_weight_files
-    from finetune.model import meta_model
-    from finetune.weight_files import SafetensorsWeights
+    from finetune.export.merge import ExpertUpdates, MergedWeights, model_weight_files
+    from finetune.export.weight_files import SafetensorsWeights
+    from finetune.model.adapters import add_adapters
+    from finetune.model.family import HubLayout
+    from finetune.model.loading import meta_model
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
@@ -527,10 +529,10 @@ def test_adapters_merge_onto_an_mxfp4_base_as_onto_its_dequantized_weights(moe_b
     from peft import get_peft_model_state_dict
     from transformers import Mxfp4Config
 
-    from finetune.adapters import add_adapters
     from finetune.config import PeftConfig
-    from finetune.merge import ExpertUpdates, MergedWeights, _base_weights
-    from finetune.model import meta_model
+    from finetune.export.merge import ExpertUpdates, MergedWeights, _base_weights
+    from finetune.model.adapters import add_adapters
+    from finetune.model.loading import meta_model
 
     folder = stored_in_mxfp4(moe_bases["gpt_oss"], tmp_path / "mxfp4")
     base = AutoModelForCausalLM.from_pretrained(folder, quantization_config=Mxfp4Config(dequantize=True),
@@ -588,7 +590,7 @@ def test_packing_is_refused_where_the_model_builds_its_mask_without_the_rows_pos
     sample attends to the first (its logits differ from the sample's alone), so packing under a mask-based attention
     is refused before loading, naming the fix; models that pass them (Llama, Qwen3-MoE) pack exactly."""
     from finetune.config import ModelConfig
-    from finetune.model import check_packing, packed_mask_ignores_positions
+    from finetune.model.loading import check_packing, packed_mask_ignores_positions
 
     first, second = torch.randint(0, 128, (1, 7)), torch.randint(0, 128, (1, 9))
     row, positions = torch.cat([first, second], 1), torch.cat([torch.arange(7), torch.arange(9)]).unsqueeze(0)
@@ -611,7 +613,7 @@ def test_packing_is_refused_where_the_model_builds_its_mask_without_the_rows_pos
 
 def test_expert_adapters_are_refused_where_they_cannot_train():
     from finetune.config import PeftConfig
-    from finetune.routing import check_experts_recipe
+    from finetune.model.routing import check_experts_recipe
 
     assert PeftConfig(target_experts=True, method="dora").errors() == [
         "peft.target_experts adapts parameters with LoRA only; set peft.method: lora"
@@ -619,7 +621,7 @@ def test_expert_adapters_are_refused_where_they_cannot_train():
     assert "set peft.dropout: 0" in PeftConfig(target_parameters=["experts.down_proj"], dropout=0.1).errors()[0]
     with pytest.raises(FinetuneError, match="this llama model is dense; remove peft.target_experts"):
         check_experts_recipe(AutoConfig.for_model("llama"), None, None, "peft.target_experts")
-    from finetune.adapters import check_adapter_targets
+    from finetune.model.adapters import check_adapter_targets
 
     model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
     with pytest.raises(FinetuneError, match=r"names experts.gate_proj, which .*\(fused expert\) parameters are: mlp"):

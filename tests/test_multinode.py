@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from test_export import max_logits_difference
 from transformers import AutoModelForCausalLM
 
-from finetune.distributed import free_port
+from finetune.engine.processes import free_port
 
 pytestmark = pytest.mark.multiprocess
 

@@ -10,10 +10,10 @@ import torch
 from custom_objective import WeightedTokens, eos_heavy
 from helpers import DEMO_RECIPE, LaunchedRun, launched_run, recipe_overrides
 
-from finetune.build import preflight
 from finetune.config import load_recipe
 from finetune.data import IGNORE
 from finetune.errors import FinetuneError
+from finetune.run.build import preflight
 
 
 @pytest.fixture(scope="module")

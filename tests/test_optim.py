@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.optim import lr_factor
+from finetune.run.optim import lr_factor
 
 
 def factors(schedule: str, max_steps: int = 12, warmup_steps: int = 2, min_lr_ratio: float = 0.1) -> list[float]:
@@ -42,7 +42,7 @@ def test_fused_adamw_makes_the_updates_of_the_default_one():
     import torch
 
     from finetune.config import OptimConfig
-    from finetune.optim import build_optimizer
+    from finetune.run.optim import build_optimizer
 
     generator = torch.Generator().manual_seed(0)
     start = [torch.randn(33, 17, generator=generator), torch.randn(5, generator=generator)]

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from helpers import DEMO_RECIPE
 
-from finetune import export as export_module
-from finetune.build import preflight
-from finetune.checkpoint import MARKER, checkpoint_problem, complete_checkpoints, resolve_resume
 from finetune.config import load_recipe
 from finetune.errors import FinetuneError
-from finetune.export import export_checkpoint
-from finetune.outputs import claim_output_dir, export_lock, run_lock
+from finetune.export import consolidate as export_module
+from finetune.export.consolidate import export_checkpoint
+from finetune.run.build import preflight
+from finetune.storage.checkpoint import MARKER, checkpoint_problem, complete_checkpoints, resolve_resume
+from finetune.storage.outputs import claim_output_dir, export_lock, run_lock
 
 pytestmark = pytest.mark.multiprocess  # the finished runs they damage come from real launches
 

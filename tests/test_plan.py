@@ -10,10 +10,12 @@ import pytest
 from helpers import CONFIGS, DEMO_RECIPE, REPO, LaunchedRun
 
 from finetune.config import ModelConfig, load_recipe
+from finetune.engine.launch import read_launch
 from finetune.errors import FinetuneError
-from finetune.launch import read_launch
-from finetune.model import load_model_config, meta_model
-from finetune.plan import activation_bytes, estimate, model_shape, parse_memory
+from finetune.model.loading import load_model_config, meta_model
+from finetune.plan.estimates import activation_bytes, estimate
+from finetune.plan.shape import model_shape
+from finetune.plan.verdict import parse_memory
 
 pytestmark = pytest.mark.multiprocess
 
@@ -118,7 +120,8 @@ def test_plan_inputs_that_cannot_be_planned(tmp_path):
 def test_auto_checkpointing_takes_the_least_recomputation_that_fits():
     """`train.activation_checkpointing: auto`: none where everything fits, then selective, then full, by the
     same estimate as the plan's verdict; none on CPU (no device memory to fit)."""
-    from finetune.plan import cheapest_policy, plan, planned_model
+    from finetune.plan.shape import planned_model
+    from finetune.plan.verdict import cheapest_policy, plan
 
     recipe = load_recipe(REPO / "recipes" / "llama" / "llama-3.1-8b.yaml", ["train.activation_checkpointing=auto"])
     launch = read_launch(CONFIGS / "fsdp2_full_shard.yaml", 8, 1)
@@ -138,7 +141,7 @@ def test_auto_checkpointing_takes_the_least_recomputation_that_fits():
 
 def holding(peak: int) -> int:
     """The least device memory whose usable part (less the plan's headroom) holds `peak` bytes."""
-    from finetune.plan import usable_memory
+    from finetune.plan.verdict import usable_memory
 
     low, high = peak, 2 * peak + 2**31  # usable_memory(low) < peak <= usable_memory(high)
     while high - low > 1:
@@ -151,7 +154,8 @@ def test_online_rl_plans_its_generation_phase():
     """The rollout: KV cache for a step's completions, the model gathered once where it fits half of what the
     sharded state leaves (else per layer), a decoding step's logits; gradients freed. Its peak counts in the
     verdict where it exceeds training's."""
-    from finetune.plan import plan, planned_model
+    from finetune.plan.shape import planned_model
+    from finetune.plan.verdict import plan
 
     recipe = load_recipe(REPO / "recipes" / "qwen" / "qwen3-8b-grpo-math.yaml")
     launch = read_launch(CONFIGS / "single_node.yaml", 8, 1)

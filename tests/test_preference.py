@@ -23,7 +23,7 @@ from finetune.config import DataConfig, PreferenceConfig
 from finetune.data import IGNORE
 from finetune.data.preference import collate_pairs, prepare_pairs
 from finetune.errors import FinetuneError
-from finetune.loss import sequence_logps
+from finetune.objectives.loss import sequence_logps
 from finetune.objectives.preference import pair_losses
 
 

@@ -1,4 +1,4 @@
-"""`train.profile_steps` (finetune.profile): what the profiler writes, and for which steps. The launched
+"""`train.profile_steps` (finetune.run.profile): what the profiler writes, and for which steps. The launched
 2-process case (both ranks' traces under FSDP2) is in test_loss's FSDP2 run."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from finetune.profile import StepProfiler
+from finetune.run.profile import StepProfiler
 
 
 def spans(path) -> list[str]:

@@ -12,10 +12,11 @@ import pytest
 from helpers import CONFIGS, REPO
 
 from finetune.config import load_recipe
-from finetune.launch import read_launch
-from finetune.model import load_model_config, meta_model
-from finetune.plan import check, model_shape, parse_memory
-from finetune.wrap import wrap_classes
+from finetune.engine.launch import read_launch
+from finetune.engine.wrap import wrap_classes
+from finetune.model.loading import load_model_config, meta_model
+from finetune.plan.shape import model_shape
+from finetune.plan.verdict import check, parse_memory
 
 # Published parameter counts: a shipped config.json that drifted from the real model fails here.
 MODELS = {

@@ -13,11 +13,11 @@ import transformers
 from test_loss import ARCHITECTURES, packed_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from finetune import recompute
 from finetune.config import ModelConfig
-from finetune.loss import batch_loss
-from finetune.model import load_model
-from finetune.recompute import checkpoint_kwargs, offload_layer_inputs
+from finetune.engine import recompute
+from finetune.engine.recompute import checkpoint_kwargs, offload_layer_inputs
+from finetune.model.loading import load_model
+from finetune.objectives.loss import batch_loss
 
 MODELS = {
     "llama": ARCHITECTURES["llama"],
@@ -175,9 +175,9 @@ def test_tiled_mlps_give_the_gradients_of_whole_ones(name, policy, monkeypatch):
 
 _LAYER_PEAK = """
 import sys, torch, transformers
-from finetune import recompute
-from finetune.loss import batch_loss
-from finetune.memory import _peak, _reset_peak
+from finetune.engine import recompute
+from finetune.objectives.loss import batch_loss
+from finetune.engine.memory import _peak, _reset_peak
 torch.manual_seed(0)
 config = transformers.LlamaConfig(vocab_size=96, hidden_size=512, intermediate_size=2048, num_hidden_layers=1,
     num_attention_heads=8, num_key_value_heads=2)
@@ -221,8 +221,9 @@ def test_the_plan_counts_mlp_tiles_and_says_which_pieces_lengthen_a_row():
     from pathlib import Path
 
     from finetune.config import load_recipe
-    from finetune.launch import read_launch
-    from finetune.plan import longest_fitting_length, model_shape, plan, planned_model
+    from finetune.engine.launch import read_launch
+    from finetune.plan.shape import model_shape, planned_model
+    from finetune.plan.verdict import longest_fitting_length, plan
 
     repo = Path(__file__).resolve().parent.parent
     pieces = ["train.micro_batch_size=1", "train.global_batch_size=null", "train.activation_checkpointing=full",

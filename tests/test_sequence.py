@@ -19,10 +19,10 @@ import yaml
 from helpers import CONFIGS, REPO, LaunchedRun, launch, recipe_overrides
 from safetensors.torch import load_file
 
-from finetune.attention import cumulative_lengths
 from finetune.data.pack import collate_packed, collate_padded
+from finetune.engine.attention import cumulative_lengths
+from finetune.engine.sequence import launched_size, split_batch
 from finetune.errors import FinetuneError
-from finetune.sequence import launched_size, split_batch
 
 SP_CONFIG = "sequence_parallel.yaml"
 
@@ -188,8 +188,8 @@ def test_a_sequence_parallel_checkpoint_resumes_without_sequence_groups(
 def test_sequence_parallel_sizes_below_2_are_checked_first_and_1_is_none(tmp_path, monkeypatch):
     """sp_size 1 is no sequence parallelism (not a hybrid-sharding layout to refuse); 0, -2 or text are refused
     in one line, by check and by a launched run alike."""
-    from finetune.distributed import mesh_sizes
-    from finetune.launch import read_launch
+    from finetune.engine.accelerator import mesh_sizes
+    from finetune.engine.launch import read_launch
 
     config = yaml.safe_load((CONFIGS / SP_CONFIG).read_text())
     config["num_processes"] = 2

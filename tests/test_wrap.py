@@ -7,8 +7,8 @@ from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from finetune.engine.wrap import Unit, format_wrap_plan, validate_wrap_policy
 from finetune.errors import FinetuneError
-from finetune.wrap import Unit, format_wrap_plan, validate_wrap_policy
 
 
 @pytest.fixture(scope="module")

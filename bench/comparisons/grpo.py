@@ -141,7 +141,7 @@ def _prompt_tokens(model: Path, prompts_file: Path) -> float:
 
 def _row_layouts(model_dir, generations: int, new_tokens: int, repeats: int) -> list[dict]:
     """One training forward and backward of 4 prompts' completions in the rows GRPO trains on (a prompt shared by
-    its completions, `finetune.shared_attention`) and in a row per completion, in this process (one thread), for
+    its completions, `finetune.engine.shared_attention`) and in a row per completion, in this process (one thread), for
     prompts of 10 and 150 tokens (the two shapes'): the median seconds of each over `repeats` interleaved runs."""
     import statistics
     import time
@@ -149,10 +149,10 @@ def _row_layouts(model_dir, generations: int, new_tokens: int, repeats: int) -> 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune import shared_attention
     from finetune.data.pack import with_host_indices
     from finetune.data.rollout import separate_rows, shared_rows
-    from finetune.loss import token_logps
+    from finetune.engine import shared_attention
+    from finetune.objectives.loss import token_logps
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each of the 2 training processes runs

@@ -2,11 +2,15 @@
 
 One module per stage, in the order the data flows: `sources` (files or hub), `chat` (conversations
 rendered by the chat template), `tokenize` (every format -> input and target ids), `pack` (rows and
-batches); this module runs them for a recipe and builds the loaders.
+batches); this module runs them for a recipe and builds the loaders. Beside them, the samples of the other
+objectives: `preference` (pairs), `prompts` and `prompt_only` (prompts answered by generation: evaluation,
+online RL) and `rollout` (the rows a rollout trains on, a prompt once for its completions).
 
 Every sample becomes `input_ids` plus `target_ids`, where `target_ids[i]` is the token the model
 must predict after `input_ids[i]`, or IGNORE where no loss is taken. Shifting inside each sample
 (rather than inside the model) means a packed row never asks one sample to predict the next.
+
+May import: `engine`, `config`, `errors`.
 """
 
 from __future__ import annotations
@@ -25,12 +29,11 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from finetune.batch import Batch
 from finetune.config import DataConfig, GenerateConfig, SourceConfig
 from finetune.data.chat import encode_chats
 from finetune.data.pack import WINDOW, collate_packed, collate_padded, pack
 from finetune.data.preference import PairStats
-from finetune.data.prompts import generation_prompts
+from finetune.data.prompts import Prompt, generation_prompts
 from finetune.data.sources import (
     check_sources,
     hold_out,
@@ -41,11 +44,11 @@ from finetune.data.sources import (
     take_fraction,
 )
 from finetune.data.tokenize import IGNORE, check_invalid_share, detect_format, tokenize
-from finetune.distributed import main_process_first
+from finetune.engine.batch import Batch
+from finetune.engine.processes import main_process_first
+from finetune.engine.quiet import no_datasets_bars
+from finetune.engine.sequence import data_parallel_size
 from finetune.errors import FinetuneError
-from finetune.generation import Prompt
-from finetune.quiet import no_datasets_bars
-from finetune.sequence import data_parallel_size
 
 __all__ = [
     "IGNORE", "Data", "DataStats", "build_data", "check_sources", "collate_packed", "collate_padded",
@@ -259,7 +262,7 @@ class Data:
     rows, in one range, for what is looked up by it (a precomputed reference or teacher)."""
     collate: Callable[[list[dict]], dict[str, torch.Tensor]] | None = None
     prompts: list[Prompt] = dataclasses.field(default_factory=list)
-    """eval.generate: the held-out prompts the model answers at every evaluation (`finetune.generation`)."""
+    """eval.generate: the held-out prompts the model answers at every evaluation (`finetune.rollouts.generation`)."""
 
 
 def _then(collate: Callable[[list[dict]], Batch], split: Callable[[Batch], Batch]) -> Callable[[list[dict]], Batch]:

@@ -9,9 +9,9 @@ from typing import Any
 import datasets
 import torch
 
-from finetune.attention import cumulative_lengths
-from finetune.batch import IGNORE, Batch, kept_positions
-from finetune.quiet import no_datasets_bars
+from finetune.engine.attention import cumulative_lengths
+from finetune.engine.batch import IGNORE, Batch, kept_positions
+from finetune.engine.quiet import no_datasets_bars
 
 WINDOW = 2000
 """Samples packed together: each window of the (seeded, shuffled) data is packed on its own, so packing is
@@ -97,8 +97,8 @@ def collate_packed(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 def with_host_indices(batch: Batch) -> Batch:
     """Add what the step would otherwise find on the device, where finding it (`nonzero`, boolean-mask indexing)
     stalls the host until the GPU catches up: `kept_index`, the positions with a target in the rows flattened
-    (finetune.loss); for packed rows `cu_seq_lens`, where each sample starts in them and their end (the varlen
-    path's boundaries, finetune.attention). Computed here, on the host, as the batch is collated."""
+    (finetune.objectives.loss); for packed rows `cu_seq_lens`, where each sample starts in them and their end (the
+    varlen path's boundaries, finetune.engine.attention). Computed here, on the host, as the batch is collated."""
     if "kept_index" not in batch:  # where a collator knows better (a position with several targets), its own
         batch["kept_index"] = kept_positions(batch["target_ids"])
     if "position_ids" in batch:

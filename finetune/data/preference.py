@@ -35,8 +35,8 @@ from finetune.data.tokenize import (
     map_processes,
     with_text_reasoning,
 )
+from finetune.engine.quiet import no_datasets_bars
 from finetune.errors import FinetuneError
-from finetune.quiet import no_datasets_bars
 
 PAIR_COLUMNS = ("chosen", "rejected")
 PAIRS = datasets.Features({

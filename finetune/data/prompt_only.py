@@ -23,8 +23,8 @@ from finetune.config import DataConfig
 from finetune.data.prompts import prompt_tokens
 from finetune.data.sources import SAMPLE_INDEX, source_name
 from finetune.data.tokenize import check_invalid_share
+from finetune.engine.quiet import no_datasets_bars
 from finetune.errors import FinetuneError
-from finetune.quiet import no_datasets_bars
 
 PROMPT_COLUMNS = ("prompt_ids", "prompt_index")
 """What tokenization adds: the prompt's token ids, and its number in the split (part of its completions' seed)."""

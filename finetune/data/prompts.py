@@ -1,7 +1,9 @@
-"""The prompts `eval.generate` answers (`finetune.generation`), from the eval split as read, before tokenization."""
+"""The prompts `eval.generate` answers (`finetune.rollouts.generation`), from the eval split as read, before
+tokenization."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import datasets
@@ -12,7 +14,14 @@ from finetune.data.chat import chat_messages, chat_tools, describe
 from finetune.data.sources import SAMPLE_INDEX
 from finetune.data.tokenize import detect_format
 from finetune.errors import FinetuneError, first_line
-from finetune.generation import Prompt
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A held-out prompt, tokenized as the model is asked it, and the reference its answer is scored against."""
+
+    ids: list[int]
+    reference: str
 
 
 def generation_prompts(

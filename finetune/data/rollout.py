@@ -3,7 +3,7 @@
 `separate`: a row per completion, its prompt then itself, right-padded: the reference layout, which every attention
 implementation runs. `shared`: a row per prompt, the prompt once and then each of its completions, positions
 counting on from the prompt's, each completion attending to the prompt and to itself alone
-(`finetune.shared_attention`, the model's attention while the GRPO objective trains an SDPA model). Causal
+(`finetune.engine.shared_attention`, the model's attention while the GRPO objective trains an SDPA model). Causal
 attention never lets a prompt token see what comes after it, so the prompt's hidden states are the same for each
 of its completions, and the completions' tokens get the same log-probabilities and gradients as in separate rows
 (tests/test_grpo.py); the prompt's forward and backward run once per group instead of once per completion, and
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from finetune.batch import IGNORE
-from finetune.shared_attention import grouping
+from finetune.engine.batch import IGNORE
+from finetune.engine.shared_attention import grouping
 
 
 def separate_rows(prompts: list[list[int]], completions: list[list[int]], pad: int) -> dict[str, torch.Tensor]:
@@ -39,7 +39,7 @@ def shared_rows(prompts: list[list[int]], completions: list[list[int]], group: i
     first, so the targets are given as `kept_index` (positions, rows flattened, one repeated per completion) and
     `kept_targets`, completion by completion as `separate_rows` orders them; there are no `target_ids`. With
     input_ids, position_ids and attention_mask (1 on real tokens), `shared_prompt`: where attention finds each
-    completion's queries and keys (`finetune.shared_attention.Grouping`)."""
+    completion's queries and keys (`finetune.engine.shared_attention.Grouping`)."""
     rows, segments, predicted = [], [], []
     for start in range(0, len(prompts), group):
         prompt = prompts[start]

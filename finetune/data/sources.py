@@ -15,8 +15,8 @@ import numpy
 
 from finetune.config import DataConfig, SourceConfig
 from finetune.data.chat import names_a_template, read_chat_template
+from finetune.engine.quiet import no_datasets_bars
 from finetune.errors import FinetuneError, first_line
-from finetune.quiet import no_datasets_bars
 
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 

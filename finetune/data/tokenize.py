@@ -13,11 +13,11 @@ import os
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from finetune.batch import IGNORE
 from finetune.config import DataConfig
 from finetune.data.chat import EncodedSamples, MultiTurn, describe, encode_rendered, render_chats, unclosed_think
 from finetune.data.chat.spans import UnclosedThink, think_block
 from finetune.data.sources import SAMPLE_INDEX
+from finetune.engine.batch import IGNORE
 from finetune.errors import FinetuneError
 
 FORMAT_COLUMNS = {

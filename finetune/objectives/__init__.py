@@ -19,6 +19,13 @@ A new objective is a module here with both; a recipe names one of its own with `
 
 Normalization is the loop's: a step minimizes (sum of unit losses) / (units in the whole step, over
 all micro-batches and processes), so any split of the same global batch gives the same update.
+
+Beside the objectives (`supervised`, `preference`, `grpo`, `distill`, `balanced`) live what they share: the
+losses and their chunked paths (`loss`, `divergence`), online RL's advantages and policy loss (`advantages`,
+`policy_loss`), frozen reference models and precomputed references (`reference`) and a teacher's top-k table
+(`teacher_table`).
+
+May import: `rollouts`, `model`, `storage`, `data`, `engine`, `config`, `errors`.
 """
 
 from __future__ import annotations
@@ -33,8 +40,8 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from finetune.batch import Batch
 from finetune.config import RecipeConfig
+from finetune.engine.batch import Batch
 from finetune.errors import imported
 from finetune.objectives.balanced import WithBalancingLoss
 from finetune.objectives.distill import Distill, DistillBuilder
@@ -44,8 +51,8 @@ from finetune.objectives.supervised import Supervised, SupervisedBuilder
 
 if TYPE_CHECKING:
     from finetune.data import Data, Samples
-    from finetune.loss import LossPath
-    from finetune.weights import Weights
+    from finetune.model.weights import Weights
+    from finetune.objectives.loss import LossPath
 
 __all__ = [
     "GRPO", "WithBalancingLoss", "BuildContext", "Distill", "Objective", "ObjectiveBuilder", "Preference",
@@ -157,7 +164,7 @@ def objective_for(recipe: RecipeConfig) -> ObjectiveBuilder:
     if recipe.train.objective is not None:
         return _imported(recipe.train.objective)(recipe)
     if recipe.rl is not None:
-        return GRPOBuilder(recipe.rl, recipe.model, adapters=recipe.peft is not None)
+        return GRPOBuilder(recipe.rl, recipe.model)
     if recipe.preference is not None:
         return PreferenceBuilder(recipe.preference)
     if recipe.distill is not None:

@@ -1,4 +1,4 @@
-"""An objective with a mixture of experts' load-balancing term added (finetune.routing).
+"""An objective with a mixture of experts' load-balancing term added (finetune.model.routing).
 
 The term of a micro-batch is weighted by the units the objective averages over, like its loss, so the loop's
 normalization (sum over the step's micro-batches and processes, divided by the step's units) gives
@@ -16,8 +16,8 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from finetune.batch import Batch
-from finetune.routing import BalancingLoss
+from finetune.engine.batch import Batch
+from finetune.model.routing import BalancingLoss
 
 if TYPE_CHECKING:
     from finetune.objectives import Objective

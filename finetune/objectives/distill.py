@@ -1,10 +1,10 @@
 """Distillation (the `distill` section): a frozen teacher's next-token distributions taught to the model.
 
 Every trained token's loss is a divergence between the teacher's distribution and the student's at that position
-(`finetune.divergence`: forward KL, reverse KL or GKD's generalized JSD, of the logits over a temperature), plus
-`sft_weight` x the token's cross-entropy; a step averages it over its trained tokens, as supervised fine-tuning
+(`finetune.objectives.divergence`: forward KL, reverse KL or GKD's generalized JSD, of the logits over a temperature),
+plus `sft_weight` x the token's cross-entropy; a step averages it over its trained tokens, as supervised fine-tuning
 does. The teacher is loaded frozen, without dropout, and sharded with the student's per-layer units
-(`finetune.reference.frozen_model`); it runs a forward on each micro-batch before the student's.
+(`finetune.objectives.reference.frozen_model`); it runs a forward on each micro-batch before the student's.
 
 Which tokens train is the step's choice, drawn from the run's seed and the step's number (the same on any process
 count, and on resume), with probability `on_policy_fraction`:
@@ -12,8 +12,8 @@ count, and on resume), with probability `on_policy_fraction`:
 - off-policy: the data's replies, as loaded (packed or padded, every trained token of every sample);
 - on-policy: the student's own completions of each sample's prompt (its tokens before its last reply, which the
   completion replaces: earlier replies of a conversation are context then, not trained), sampled at the
-  temperature with seeded noise (`finetune.generation`) whose seed is the run's, the step's and the sample's place
-  in the step's batch, never the process's: the same completions on any process count. GKD's on-policy
+  temperature with seeded noise (`finetune.rollouts.generation`) whose seed is the run's, the step's and the sample's
+  place in the step's batch, never the process's: the same completions on any process count. GKD's on-policy
   distillation: the teacher grades what the student would say, token by token.
 """
 
@@ -31,18 +31,18 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from finetune.batch import IGNORE, Batch
 from finetune.config import DataConfig, DistillConfig
 from finetune.data import NUMBERED_SEQUENCES, SEQUENCES
 from finetune.data.pack import with_host_indices
 from finetune.data.rollout import reply_prompts, separate_rows
-from finetune.divergence import Spec, TopK, distill_losses
-from finetune.generation import Sampling, cut_short, gathers_once, row_noise, sample_rollout, stop_tokens
-from finetune.loss import LossPath, chunked_loss_unsupported, target_positions
-from finetune.model import base_fingerprint
-from finetune.reference import frozen_dtype, frozen_model
-from finetune.sequence import gather_rows
-from finetune.teacher_table import (
+from finetune.engine.batch import IGNORE, Batch
+from finetune.engine.sequence import gather_rows
+from finetune.engine.wrap import reshard
+from finetune.model.loading import base_fingerprint
+from finetune.objectives.divergence import Spec, TopK, distill_losses
+from finetune.objectives.loss import LossPath, chunked_loss_unsupported, target_positions
+from finetune.objectives.reference import frozen_dtype, frozen_model
+from finetune.objectives.teacher_table import (
     MICRO_BATCHES_PER_FORWARD,
     TeacherTable,
     compute_table,
@@ -50,7 +50,7 @@ from finetune.teacher_table import (
     table_folder,
     table_key,
 )
-from finetune.wrap import reshard
+from finetune.rollouts.generation import Sampling, cut_short, gathers_once, row_noise, sample_rollout, stop_tokens
 
 ON_POLICY_STREAM = 0xD157
 """Mixed into the seed of the per-step draw of on-policy steps, apart from every other seeded draw of the run."""

@@ -2,11 +2,11 @@
 
 Each micro-batch's chosen and rejected sequences go through one forward (packed or padded rows,
 `finetune.data.preference.collate_pairs`); their log-probabilities are the sums of their reply tokens'
-(`finetune.loss.sequence_logps`, never the logits whole). The reference the DPO and IPO losses compare
+(`finetune.objectives.loss.sequence_logps`, never the logits whole). The reference the DPO and IPO losses compare
 against comes from one of:
 
 - `precomputed`: the initial weights' log-probabilities of every pair, computed once before the first
-  step (`finetune.reference`) and looked up by the pair's index;
+  step (`finetune.objectives.reference`) and looked up by the pair's index;
 - `adapters`: the same model with its adapters switched off (adapter runs: the base is the reference);
 - `model`: a second frozen model (`preference.reference_model`), sharded with the policy's per-layer units;
 - none, for the reference-free SimPO and ORPO.
@@ -29,13 +29,15 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from finetune.batch import Batch
 from finetune.config import PreferenceConfig
 from finetune.data.preference import PAIR_SAMPLES
-from finetune.fingerprint import sampled_fingerprint
-from finetune.loss import LossPath, sequence_logps
-from finetune.model import base_fingerprint, disable_dropout, model_folder
-from finetune.reference import (
+from finetune.engine.batch import Batch
+from finetune.engine.sequence import SequenceParallel, gather_rows, sequence_parallel
+from finetune.engine.wrap import reshard
+from finetune.model.loading import base_fingerprint, disable_dropout, model_folder
+from finetune.model.weights import BaseSwitch
+from finetune.objectives.loss import LossPath, sequence_logps
+from finetune.objectives.reference import (
     REFERENCE_FILE,
     cache_path,
     check_resumable,
@@ -45,8 +47,7 @@ from finetune.reference import (
     reference_key,
     write_reference,
 )
-from finetune.sequence import SequenceParallel, gather_rows, sequence_parallel
-from finetune.wrap import reshard
+from finetune.storage.fingerprint import sampled_fingerprint
 
 if TYPE_CHECKING:
     from finetune.objectives import BuildContext
@@ -114,6 +115,8 @@ class Preference:
     """precomputed: (pairs, 2), the reference's chosen and rejected log-probabilities, by pair index."""
     reference_model: torch.nn.Module | None = None
     """model: the frozen reference, sharded as the policy is (`wrap.shard_frozen`)."""
+    base_switch: BaseSwitch | None = None
+    """adapters: what switches the policy's adapters off (the weights seam's `base_switch`)."""
     sequence: SequenceParallel | None = None
     """Under sequence parallelism: each process holds slices of the pairs' sequences, whose log-probabilities the
     group adds up; every process of the group then has the pairs' losses, which its first process counts."""
@@ -168,9 +171,7 @@ class Preference:
             with torch.no_grad():
                 return self._logps(self.reference_model, batch)
         if self.reference == "adapters":
-            from finetune.adapters import adapters_disabled
-
-            with torch.no_grad(), adapters_disabled(model):
+            with torch.no_grad(), self.base_switch(model):
                 return self._logps(model, batch)
         table = self.reference_logps.index_select(0, batch["pair_index"].to(self.reference_logps.device))  # (pairs, 2)
         return torch.cat([table[:, 0], table[:, 1]]).to(batch["input_ids"].device, torch.float32)
@@ -230,8 +231,11 @@ class PreferenceBuilder:
     def build(self, context: BuildContext) -> tuple[Preference, Callable[[], None]]:
         """A preference run with a precomputed reference computes it here (collective), or reads it: from the
         output dir when resuming, from beside the tokenized data when this base and data computed it before."""
-        reference = self.cfg.resolved_reference(adapters=context.weights.trains_adapters)
-        objective = Preference(self.cfg, context.loss_path, reference, sequence=sequence_parallel(context.accelerator))
+        switch = context.weights.base_switch()
+        reference = self.cfg.resolved_reference(base_switch=switch is not None)
+        objective = Preference(
+            self.cfg, context.loss_path, reference, base_switch=switch, sequence=sequence_parallel(context.accelerator)
+        )
         if reference == "model":
             objective.reference_model = self._reference_model(context)
         if reference != "precomputed":

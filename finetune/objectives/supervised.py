@@ -9,11 +9,11 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from finetune.batch import IGNORE, Batch
 from finetune.data import SEQUENCES
-from finetune.loss import LossPath, batch_loss
-from finetune.sequence import gather_rows
-from finetune.wrap import reshard
+from finetune.engine.batch import IGNORE, Batch
+from finetune.engine.sequence import gather_rows
+from finetune.engine.wrap import reshard
+from finetune.objectives.loss import LossPath, batch_loss
 
 
 @dataclass(frozen=True)
