@@ -205,6 +205,70 @@ def test_the_table_is_stored_under_its_key_read_back_by_row_and_never_read_for_a
         compute_table(teacher, splits, collate, Accelerator(cpu=True), 2, 49, folder, key)
 
 
+def test_two_runs_computing_one_table_at_once_each_write_their_own_and_both_read_a_whole_one(tmp_path):
+    """A sweep's runs computing the same table at once: each fills a partial folder of its own (none removes or
+    writes into the other's), the first to finish renames it into place, the second finds it there and gives way,
+    and both read a whole table."""
+    import numpy
+
+    from finetune.objectives.teacher_table import _Writer, read_table
+
+    folder, offsets = tmp_path / "teacher-top2-k", numpy.array([0, 2, 3])
+    first, second = _Writer(folder, 3, 2), _Writer(folder, 3, 2)  # both started before either finished
+    assert first.partial != second.partial
+    for writer in (first, second):
+        writer.write(numpy.array([0, 1, 2]), numpy.array([[1, 2], [3, 4], [5, 6]]), numpy.ones((3, 2)))
+    second.close(offsets, "k")
+    first.close(offsets, "k")
+    table = read_table(folder, "k")
+    assert table is not None and table.ids.tolist() == [[1, 2], [3, 4], [5, 6]] and table.offsets.tolist() == [0, 2, 3]
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]  # neither partial is left
+
+
+def test_a_dpo_reference_is_written_beside_another_writers_partial_without_touching_it(tmp_path):
+    """Two runs writing one cached reference at once write partial files of their own: one's partial is never
+    the other's to overwrite or rename."""
+    from finetune.objectives.reference import read_reference, write_reference
+
+    path = tmp_path / "reference-k.safetensors"
+    theirs = tmp_path / "reference-k.safetensors.partial"  # where every run once wrote
+    theirs.mkdir()
+    write_reference(path, torch.ones(3, 2), "k")
+    assert read_reference(path, "k").tolist() == [[1.0, 1.0]] * 3 and theirs.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name, theirs.name]
+
+
+def test_a_teacher_whose_weights_are_not_there_yet_has_no_fingerprint_to_key_a_table(tmp_path):
+    """A hub teacher cached with its config but not yet its weights (or a folder without weight files) is not
+    identified by its config alone, which a base and all its fine-tunes share: no key until the weights are there
+    (the build loads the teacher first, then keys the table)."""
+    from finetune.model.loading import base_fingerprint
+
+    teacher = _tiny(0, 32, 3)
+    teacher.save_pretrained(tmp_path / "teacher")
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(tmp_path / "teacher" / "config.json", config_only / "config.json")
+    assert base_fingerprint(str(tmp_path / "teacher")) is not None
+    assert base_fingerprint(str(config_only)) is None
+
+
+def test_a_teacher_that_is_the_students_weights_under_another_path_is_refused(tmp_path):
+    """The recipe refuses the student's own path as its teacher; a copy of the student's folder is the same
+    weights under another name, and teaches nothing just as surely (every divergence 0)."""
+    from finetune.objectives import objective_for
+
+    _tiny(0, 32, 3).save_pretrained(tmp_path / "student")
+    shutil.copytree(tmp_path / "student", tmp_path / "copy")
+    _tiny(1, 32, 3).save_pretrained(tmp_path / "teacher")
+    copied = load_recipe(DISTILL_RECIPE, [f"model.name_or_path={tmp_path / 'student'}",
+                                          f"distill.teacher={tmp_path / 'copy'}"])  # fmt: skip
+    with pytest.raises(FinetuneError, match="holds the same weights as the student .* set distill.teacher"):
+        objective_for(copied)
+    objective_for(load_recipe(DISTILL_RECIPE, [f"model.name_or_path={tmp_path / 'student'}",
+                                               f"distill.teacher={tmp_path / 'teacher'}"]))  # fmt: skip
+
+
 # ---- What an on-policy step completes, and which steps are on-policy.
 
 
@@ -395,6 +459,63 @@ def test_finetune_check_refuses_a_teacher_that_is_not_there_naming_the_setting(d
     )
     with pytest.raises(FinetuneError, match=f"distill.teacher {missing} is not a folder"):
         check(recipe, read_launch(CONFIGS / "fsdp2_full_shard.yaml", 2, 1), 80 * 2**30)
+
+
+def test_the_plan_names_the_teachers_settings_when_its_config_is_missing_or_not_offline(demo_assets, tmp_path):
+    """`finetune plan` of a distillation whose teacher's architecture it cannot read names the teacher's settings
+    (distill.teacher_config_file, distill.teacher), never the student's, which are there."""
+    from helpers import CONFIGS
+
+    from finetune.engine.launch import read_launch
+    from finetune.plan.verdict import plan
+
+    launch, student = (
+        read_launch(CONFIGS / "fsdp2_full_shard.yaml", 2, 1),
+        f"model.name_or_path={demo_assets / 'student'}",
+    )
+    missing = load_recipe(DISTILL_RECIPE, [student, f"distill.teacher_config_file={tmp_path / 'none.json'}"])
+    with pytest.raises(FinetuneError, match=r"^distill.teacher_config_file .*none.json does not exist"):
+        plan(missing, launch, 80 * 2**30)
+    offline = load_recipe(DISTILL_RECIPE, [student, "distill.teacher=someone/not-cached-teacher"])
+    with pytest.raises(
+        FinetuneError, match=r"\(distill.teacher\) is not available offline.*set distill.teacher_config_"
+    ):
+        plan(offline, launch, 80 * 2**30)
+
+
+def test_an_adapter_or_a_checkpoint_as_the_teacher_is_refused_with_the_command_that_makes_a_model_of_it(tmp_path):
+    """A LoRA adapter folder or a training checkpoint named as distill.teacher is not a model: the message says
+    which, and the export that makes one (not that the architecture is unavailable offline)."""
+    from finetune.config import ModelConfig
+    from finetune.model.loading import load_model_config
+
+    adapter, checkpoint = tmp_path / "final", tmp_path / "step_8"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text("{}")
+    with pytest.raises(FinetuneError, match="distill.teacher .*final is a LoRA adapter.*--merge"):
+        load_model_config(ModelConfig(name_or_path=str(adapter)), "distill.teacher")
+    with pytest.raises(FinetuneError, match="distill.teacher .*step_8 is a training checkpoint.*finetune export"):
+        load_model_config(ModelConfig(name_or_path=str(checkpoint)), "distill.teacher")
+
+
+def test_a_teacher_with_fewer_positions_than_the_rows_is_refused_before_anything_loads(demo_assets, tmp_path):
+    """The student's positions are checked against data.max_length; so are a teacher's (and a preference
+    reference's), which grade the same rows: before loading, naming the setting."""
+    from finetune.run.build import preflight
+
+    _tiny(0, 32, 3).save_pretrained(tmp_path / "short")  # 64 positions
+    recipe = load_recipe(DISTILL_RECIPE, [
+        f"model.name_or_path={demo_assets / 'student'}", f"distill.teacher={tmp_path / 'short'}",
+        f"data.train_path={demo_assets / 'data' / 'train.jsonl'}",
+        f"data.eval_path={demo_assets / 'data' / 'eval.jsonl'}",
+        f"output.dir={tmp_path / 'out'}", "data.max_length=128",
+    ])  # fmt: skip
+    with pytest.raises(
+        FinetuneError, match=r"data.max_length=128 exceeds the 64 positions of .*short \(distill.teacher\)"
+    ):
+        preflight(recipe)
 
 
 def test_launches_distillation_cannot_run_are_refused_before_anything_loads():

@@ -742,6 +742,29 @@ def test_the_static_cache_loop_writes_what_the_dynamic_one_writes_compiling_once
         )
 
 
+def test_a_static_rollout_cache_decodes_a_model_without_grouped_heads_within_its_positions(demo_assets):
+    """GPT-2's config names no key-value heads (as many as query heads), and a small one has 64 learned positions:
+    the static cache allocates its heads and no slot past those positions, and writes the dynamic loop's tokens."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from finetune.rollouts.generation import complete, generating
+    from finetune.rollouts.static_decode import StaticDecoding
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_assets / "base")
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    model = GPT2LMHeadModel(config).eval()
+    accelerator = types.SimpleNamespace(device=torch.device("cpu"), num_processes=1)
+    prompts = [tokenizer(f"<|user|>reverse: {' '.join('1234567'[:n])}<|end|><|assistant|>")["input_ids"] for n in
+               range(1, 5)]  # fmt: skip
+    static = StaticDecoding(None)
+    with torch.no_grad(), generating(model):
+        dynamic = complete(model, prompts, tokenizer, accelerator, 16)
+        assert complete(model, prompts, tokenizer, accelerator, 16, static=static) == dynamic
+    assert static._shape.length == 64  # not the 256 the cache rounds up to elsewhere
+
+
 def test_a_static_rollout_cache_is_refused_before_loading_for_layers_it_cannot_hold(tmp_path):
     """Sliding-window layers roll their cache's slots: `rl.rollout_cache: static` is refused when the objective is
     built (training's preflight), from the model's config alone; a plain model's passes."""

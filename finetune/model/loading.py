@@ -72,11 +72,13 @@ def model_folder(name_or_path: str) -> Path | None:
 
 
 def base_fingerprint(name_or_path: str) -> str | None:
-    """The `fingerprint.weights_fingerprint` of a base model, None while a hub model is not cached yet."""
-    from finetune.storage.fingerprint import weights_fingerprint
+    """The `fingerprint.weights_fingerprint` of a base model; None while its weights are not there to hash (a hub
+    model not cached yet, or cached without its weight files so far): its config alone would name every model of
+    one architecture, a base and all its fine-tunes, alike."""
+    from finetune.storage.fingerprint import weight_files, weights_fingerprint
 
     folder = model_folder(name_or_path)
-    return weights_fingerprint(folder) if folder is not None else None
+    return weights_fingerprint(folder) if folder is not None and weight_files(folder) else None
 
 
 # Attention kernels that come from a package of their own, and the module that package installs.
@@ -257,14 +259,17 @@ def quantized_method(config: PretrainedConfig | dict) -> str | None:
     return str(getattr(quantization, "quant_method", type(quantization).__name__))
 
 
-def check_max_length(cfg: ModelConfig, max_length: int) -> None:
-    """`data.max_length` within the positions the model was built for (read from its config only):
-    past them, learned position tables (GPT-2) fail in the first step, after minutes of loading."""
-    check_model_path(cfg.name_or_path)
-    limit = getattr(load_model_config(cfg).get_text_config(), "max_position_embeddings", None)
+def check_max_length(cfg: ModelConfig, max_length: int, setting: str = "model.name_or_path") -> None:
+    """`data.max_length` within the positions the model was built for (read from its config only): past them,
+    learned position tables (GPT-2) fail in the first step, after minutes of loading, and rotary ones grade
+    positions they never saw. `setting` names the model: the student's, or a second model scoring the same rows
+    (a teacher, a preference reference)."""
+    check_model_path(cfg.name_or_path, setting)
+    limit = getattr(load_model_config(cfg, setting).get_text_config(), "max_position_embeddings", None)
     if isinstance(limit, int) and max_length > limit:
+        which = "" if setting == "model.name_or_path" else f" ({setting})"
         raise FinetuneError(
-            f"data.max_length={max_length} exceeds the {limit} positions of {cfg.name_or_path}; "
+            f"data.max_length={max_length} exceeds the {limit} positions of {cfg.name_or_path}{which}; "
             f"set data.max_length to {limit} or less"
         )
 
@@ -343,22 +348,48 @@ def check_vocabulary(
         )
 
 
-def load_model_config(cfg: ModelConfig) -> PretrainedConfig:
-    """The architecture a recipe trains: from its shipped `config_file`, else from `name_or_path`."""
+def load_model_config(
+    cfg: ModelConfig, setting: str = "model.name_or_path", file_setting: str = "model.config_file"
+) -> PretrainedConfig:
+    """The architecture a recipe trains: from its shipped `config_file`, else from `name_or_path`. `setting` and
+    `file_setting` are the recipe's settings that named them, for the messages (a teacher's: distill.teacher and
+    distill.teacher_config_file)."""
     source = cfg.config_file or cfg.name_or_path
     if cfg.config_file is not None and not Path(cfg.config_file).is_file():
-        raise FinetuneError(f"model.config_file {cfg.config_file} does not exist; point it at a config.json")
+        raise FinetuneError(f"{file_setting} {cfg.config_file} does not exist; point it at a config.json")
     if cfg.config_file is None:
-        check_model_path(cfg.name_or_path)
+        check_model_path(cfg.name_or_path, setting)
+        if (why := not_a_model(cfg.name_or_path, setting)) is not None:
+            raise FinetuneError(why)
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as exc:
         raise FinetuneError(
-            f"the architecture of {cfg.name_or_path!r} is not available offline ({first_line(exc)}); save its "
-            "config.json under recipes/<family>/configs/ and set model.config_file to it, or point "
-            "model.name_or_path at a local model folder"
+            f"the architecture of {cfg.name_or_path!r} ({setting}) is not available offline ({first_line(exc)}); save "
+            f"its config.json under recipes/<family>/configs/ and set {file_setting} to it, or point {setting} at a "
+            "local model folder"
         ) from None
     return with_overrides(config, cfg.config_overrides)
+
+
+def not_a_model(name_or_path: str, setting: str) -> str | None:
+    """Why a folder without a config.json named as a model is something finetune writes that is not one (a LoRA
+    adapter, a checkpoint or run folder), with the export that makes a model of it; else None."""
+    folder = Path(name_or_path).expanduser()
+    if not folder.is_dir() or (folder / "config.json").is_file():
+        return None
+    if (folder / "adapter_config.json").is_file():
+        return (
+            f"{setting} {name_or_path} is a LoRA adapter, not a whole model; merge it onto its base with "
+            f"`finetune export <its checkpoint> <folder> --merge` (or output.export_merged: true) and set {setting} "
+            "to the merged folder"
+        )
+    if (folder / "trainer_state.json").is_file() or (folder / "checkpoints").is_dir():
+        return (
+            f"{setting} {name_or_path} is a training checkpoint or run folder, not a model; export it with "
+            f"`finetune export {name_or_path} <folder>` and set {setting} to that folder"
+        )
+    return None
 
 
 def with_overrides(config: PretrainedConfig, overrides: dict[str, Any]) -> PretrainedConfig:

@@ -168,7 +168,7 @@ def objective_for(recipe: RecipeConfig) -> ObjectiveBuilder:
     if recipe.preference is not None:
         return PreferenceBuilder(recipe.preference)
     if recipe.distill is not None:
-        return DistillBuilder(recipe.distill, recipe.data)
+        return DistillBuilder(recipe.distill, recipe.data, recipe.model)
     return SupervisedBuilder()
 
 

@@ -31,19 +31,22 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from finetune.config import DataConfig, DistillConfig
+from finetune.config import DataConfig, DistillConfig, ModelConfig
 from finetune.data import NUMBERED_SEQUENCES, SEQUENCES
 from finetune.data.pack import with_host_indices
 from finetune.data.rollout import reply_prompts, separate_rows
 from finetune.engine.batch import IGNORE, Batch
 from finetune.engine.sequence import gather_rows
 from finetune.engine.wrap import reshard
+from finetune.errors import FinetuneError
+from finetune.model.identity import same_weights
 from finetune.model.loading import base_fingerprint
 from finetune.objectives.divergence import Spec, TopK, distill_losses
 from finetune.objectives.loss import LossPath, chunked_loss_unsupported, target_positions
 from finetune.objectives.reference import frozen_dtype, frozen_model
 from finetune.objectives.teacher_table import (
     MICRO_BATCHES_PER_FORWARD,
+    UNCACHED,
     TeacherTable,
     compute_table,
     read_table,
@@ -211,7 +214,14 @@ class DistillBuilder:
     unit_noun = "sequences"
     reference_setting = "distill.teacher"
 
-    def __init__(self, cfg: DistillConfig, data: DataConfig):
+    def __init__(self, cfg: DistillConfig, data: DataConfig, student: ModelConfig):
+        # The recipe refuses the student's own path; a copy of its weights under another path is found here.
+        if same_weights(cfg.teacher, student.name_or_path):
+            raise FinetuneError(
+                f"distill.teacher {cfg.teacher!r} holds the same weights as the student {student.name_or_path!r} "
+                "(a copy under another path): it would teach what the student already knows (every divergence 0); "
+                "set distill.teacher to the larger model to learn from"
+            )
         self.cfg = cfg
         self.data = data
         self.reference_model = cfg.teacher
@@ -244,19 +254,35 @@ class DistillBuilder:
 
     def _table(self, context) -> TeacherTable:
         """The teacher's top-k table of these rows: read from beside them if this teacher computed it before, else
-        computed here with the teacher loaded for it alone (collective)."""
+        computed here with the teacher loaded for it alone (collective). The table is keyed by the teacher's
+        weights, so a hub teacher not downloaded yet is loaded first; one whose weights nothing identifies gets a
+        table of this run's own."""
         recipe, accelerator, splits = context.recipe, context.accelerator, context.data.splits
         k = self.cfg.teacher_top_k
         numerics = f"{accelerator.mixed_precision}:{frozen_dtype(recipe.model, accelerator)}"  # the teacher's
-        key = table_key(base_fingerprint(self.cfg.teacher), splits, numerics, k)
-        folder = table_folder(splits, key, k, Path(recipe.output.dir))
-        table = read_table(folder, key)
-        if table is not None:
-            accelerator.print(f"teacher: its top {k} tokens at {len(table.ids):,} trained positions, from {folder}")
-            return table
-        teacher = frozen_model(recipe.model, self.cfg.teacher, accelerator, "distill.teacher_top_k", "teacher")
+        teacher = None
+        if (fingerprint := base_fingerprint(self.cfg.teacher)) is None:
+            teacher = self._teacher(context)  # downloads it: its weights are then there to identify the table
+            fingerprint = base_fingerprint(self.cfg.teacher)
+        output_dir = Path(recipe.output.dir)
+        if fingerprint is None:
+            key = table_key(UNCACHED, splits, numerics, k)
+            folder = output_dir / f"teacher-top{k}-{key}"  # this run's: never read before it is computed
+        else:
+            key = table_key(fingerprint, splits, numerics, k)
+            folder = table_folder(splits, key, k, output_dir)
+            if (table := read_table(folder, key)) is not None:
+                accelerator.print(
+                    f"teacher: its top {k} tokens at {len(table.ids):,} trained positions, from {folder}"
+                )
+                return table
+        teacher = teacher if teacher is not None else self._teacher(context)
         rows = recipe.train.micro_batch_size * MICRO_BATCHES_PER_FORWARD
         table = compute_table(teacher, splits, context.data.collate, accelerator, rows, k, folder, key)
         del teacher  # training holds none
         gc.collect()
         return table
+
+    def _teacher(self, context) -> torch.nn.Module:
+        return frozen_model(context.recipe.model, self.cfg.teacher, context.accelerator, "distill.teacher_top_k",
+                            "teacher")  # fmt: skip

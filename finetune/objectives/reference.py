@@ -36,6 +36,7 @@ from finetune.errors import FinetuneError
 from finetune.model.loading import DTYPES, disable_dropout, load_model
 from finetune.model.routing import route_in_fp32
 from finetune.objectives.loss import LossPath, sequence_logps
+from finetune.storage.atomic import private_partial, publish_shared
 
 REFERENCE_FILE = "reference_logps.safetensors"
 
@@ -57,10 +58,11 @@ def read_reference(path: Path, key: str) -> torch.Tensor | None:
 
 
 def write_reference(path: Path, table: torch.Tensor, key: str) -> None:
-    """Written whole and renamed into place: a reader never sees half a table."""
-    partial = path.with_name(path.name + ".partial")
+    """Written whole and renamed into place: a reader never sees half a table, and runs writing the same table at
+    once (a sweep) each write their own partial file."""
+    partial = private_partial(path)
     save_file({"logps": table.contiguous()}, partial, metadata={"key": key})
-    partial.replace(path)
+    publish_shared(partial, path)
 
 
 def cache_path(split: datasets.Dataset, key: str) -> Path | None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,8 +39,12 @@ from finetune.errors import FinetuneError
 from finetune.objectives.divergence import TopK, head_inputs
 from finetune.objectives.loss import model_inputs, output_head, target_positions
 from finetune.objectives.reference import dealt_batches
+from finetune.storage.atomic import private_partial, publish_shared
 
 META = "table.json"
+UNCACHED = "uncached"
+"""The key's teacher part where no fingerprint identifies its weights: such a table is computed into the run's own
+output folder and never read by another run."""
 CHUNK_ROWS = 1024
 """Positions whose logits exist at once while the top k is taken (a (rows, vocab) fp32 tensor)."""
 MICRO_BATCHES_PER_FORWARD = 4
@@ -71,9 +74,10 @@ def _positions(offsets: numpy.ndarray, rows: numpy.ndarray) -> numpy.ndarray:
     return numpy.concatenate(spans) if spans else numpy.zeros(0, dtype=numpy.int64)
 
 
-def table_key(teacher_fingerprint: str | None, splits: list[datasets.Dataset], numerics: str, k: int) -> str:
-    """What the table's values depend on: the teacher's weights, the rows, the compute precision, k."""
-    parts = [teacher_fingerprint or "unknown", numerics, str(k), *(split._fingerprint for split in splits)]
+def table_key(teacher_fingerprint: str, splits: list[datasets.Dataset], numerics: str, k: int) -> str:
+    """What the table's values depend on: the teacher's weights (their fingerprint; `UNCACHED` where nothing
+    identifies them, for a table no other run reads), the rows, the compute precision, k."""
+    parts = [teacher_fingerprint, numerics, str(k), *(split._fingerprint for split in splits)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -126,7 +130,7 @@ def compute_table(
             "(the whole vocabulary: the live teacher's divergence exactly)"
         )
     offsets = trained_offsets(splits)
-    writer = _Writer(folder, int(offsets[-1]), k, accelerator) if accelerator.is_local_main_process else None
+    writer = _Writer(folder, int(offsets[-1]), k) if accelerator.is_local_main_process else None
     began = time.perf_counter()
     for split in splits:
         for batch in dealt_batches(split, collate, accelerator, rows_per_forward):  # a repeated row: one value
@@ -171,10 +175,9 @@ def teacher_top_k(teacher: torch.nn.Module, batch: dict[str, torch.Tensor], k: i
 class _Writer:
     """One node's copy of the table, filled as the gathered rows come and renamed into place whole."""
 
-    def __init__(self, folder: Path, tokens: int, k: int, accelerator: Accelerator):
+    def __init__(self, folder: Path, tokens: int, k: int):
         self.folder = folder
-        self.partial = folder.with_name(f"{folder.name}.partial-{accelerator.process_index}")
-        shutil.rmtree(self.partial, ignore_errors=True)
+        self.partial = private_partial(folder)  # a sweep's runs may compute the same table at once
         self.partial.mkdir(parents=True)
         self.ids = numpy.lib.format.open_memmap(self.partial / "ids.npy", "w+", numpy.int32, (tokens, k))
         self.logps = numpy.lib.format.open_memmap(self.partial / "logps.npy", "w+", numpy.float32, (tokens, k))
@@ -190,8 +193,6 @@ class _Writer:
         numpy.save(self.partial / "offsets.npy", offsets)
         meta = {"key": key, "k": int(self.ids.shape[1]), "rows": len(offsets) - 1, "tokens": int(offsets[-1])}
         (self.partial / META).write_text(json.dumps(meta))  # last: a folder without it is never read
-        shutil.rmtree(self.folder, ignore_errors=True)  # a table of another key cannot share the name
-        try:
-            self.partial.rename(self.folder)
-        except OSError:  # another node, sharing the file system, renamed the same table into place first
-            shutil.rmtree(self.partial, ignore_errors=True)
+        # The name holds the key: a table already there (another run's, another node's on a shared file system)
+        # is this one, and stays, read by whoever renamed it.
+        publish_shared(self.partial, self.folder)

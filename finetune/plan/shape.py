@@ -70,7 +70,7 @@ def recipe_shape(recipe: RecipeConfig, model: PreTrainedModel | None = None) -> 
         check_model_path(recipe.distill.teacher, "distill.teacher")
     cfg = ModelConfig(name_or_path=recipe.distill.teacher, config_file=recipe.distill.teacher_config_file,
                       trust_remote_code=recipe.model.trust_remote_code)  # fmt: skip
-    teacher = model_shape(meta_model(load_model_config(cfg)))
+    teacher = model_shape(meta_model(load_model_config(cfg, "distill.teacher", "distill.teacher_config_file")))
     table = recipe.distill.teacher_top_k is not None
     return replace(shape, teacher=teacher.parameters, teacher_hidden=teacher.hidden, teacher_table=table)
 

@@ -41,10 +41,12 @@ Pick = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 """(logits (rows, vocab), the rows' numbers (rows,), the new token's index) -> the rows' tokens (rows, 1)."""
 
 
-def cache_length(tokens: int) -> int:
+def cache_length(tokens: int, positions: int | None = None) -> int:
     """The length of the static cache that holds rows of `tokens` (prompt and new tokens): rounded up to
-    `LENGTH_STEP`."""
-    return math.ceil(tokens / LENGTH_STEP) * LENGTH_STEP
+    `LENGTH_STEP`, but never past the `positions` the model was built for (GPT-2's 1,024 learned ones; a small
+    model's 64) where the rows fit in them: no slot the model could not attend to."""
+    length = math.ceil(tokens / LENGTH_STEP) * LENGTH_STEP
+    return min(length, positions) if positions is not None and tokens <= positions else length
 
 
 def check_static_cache(config: PretrainedConfig, name: str) -> None:
@@ -101,7 +103,8 @@ class StaticDecoding:
         `synced`: the processes run the same number of forwards (FSDP gathers parameters at each)."""
         rows, width = input_ids.shape
         device = input_ids.device
-        shape = self._shape_for(model, rows, cache_length(width + max_new_tokens))
+        positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        shape = self._shape_for(model, rows, cache_length(width + max_new_tokens, positions))
         seen = 0 if prefix is None else width - 1
         whole = shape.caches[rows]
         if prefix is not None:
@@ -241,7 +244,9 @@ def _device(model: torch.nn.Module) -> torch.device:
 def _allocate(cache: StaticCache, model: torch.nn.Module, rows: int, dtype: torch.dtype, device) -> None:
     text = model.config.get_text_config(decoder=True)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    cache.early_initialization(rows, text.num_key_value_heads, head_dim, dtype, device)
+    # A config without grouped key and value heads (GPT-2's) has as many as query heads.
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    cache.early_initialization(rows, heads, head_dim, dtype, device)
 
 
 def _view_rows(cache: StaticCache, whole: StaticCache, rows: int) -> None:

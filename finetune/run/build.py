@@ -30,7 +30,7 @@ from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from finetune.config import RecipeConfig
+from finetune.config import ModelConfig, RecipeConfig
 from finetune.data import Data, build_data, check_sources
 from finetune.engine import attention, sequence
 from finetune.engine.accelerator import build_accelerator, compute_dtype, rank_zero_loading
@@ -136,8 +136,10 @@ def preflight(recipe: RecipeConfig) -> Path | None:
     check_mlp_tiling(recipe.model, recipe.train.mlp_tile_tokens)
     check_packing(recipe.model, recipe.data.packing)
     builder, weights = objective_for(recipe), weights_for(recipe)
-    if builder.reference_model:
+    if builder.reference_model:  # a teacher or a preference reference: it scores the same rows
         check_model_path(builder.reference_model, builder.reference_setting)
+        second = ModelConfig(name_or_path=builder.reference_model, trust_remote_code=recipe.model.trust_remote_code)
+        check_max_length(second, recipe.data.max_length, builder.reference_setting)
     weights.preflight()
     config = load_model_config(recipe.model)
     check_kernels(recipe.model.kernels, config, recipe.model.name_or_path)

@@ -30,7 +30,7 @@ def weights_fingerprint(folder: Path) -> str:
     byte of its weight files (safetensors, else .bin). Any change to any tensor changes it; a copy of the
     folder elsewhere keeps it."""
     digest = _config_digest(folder)
-    for file in _weight_files(folder):
+    for file in weight_files(folder):
         digest.update(f"{file.name}:{file_digest(file)}".encode())
     return PREFIX + digest.hexdigest()[:16]
 
@@ -46,7 +46,7 @@ def sampled_fingerprint(folder: Path) -> str:
     """The fingerprint earlier versions recorded: each weight file's name, size and 16 evenly spaced 4 KiB
     samples. It misses a re-export whose changed bytes fall between samples: only for reading old records."""
     digest = _config_digest(folder)
-    for file in _weight_files(folder):
+    for file in weight_files(folder):
         size = file.stat().st_size
         digest.update(f"{file.name}:{size}".encode())
         with file.open("rb") as f:
@@ -67,7 +67,8 @@ def _config_digest(folder: Path) -> Any:  # a hashlib object
     return digest
 
 
-def _weight_files(folder: Path) -> list[Path]:
+def weight_files(folder: Path) -> list[Path]:
+    """The files that hold a model folder's weights: its safetensors, else its .bin files."""
     return sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
 
 
