@@ -34,6 +34,10 @@ class ConfigError(FinetuneError):
 # mixture that large is a typo (1e9) or an epoch count in disguise (train.num_epochs says it better).
 MAX_FRACTION = 1000
 
+# A field's metadata key: the value a setting left empty (`null` in YAML, `key=` on the command line) stands for.
+# Intervals whose 0 means never take null as never too; other empty settings are refused.
+NEVER = "null means"
+
 TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
 
 
@@ -277,8 +281,8 @@ class TrainConfig:
     num_epochs: float | None = None
     """Passes over the training data (fractions allowed). Set this or `max_steps`, not both."""
 
-    eval_every_steps: int = 0
-    """Evaluate every this many optimizer steps, and at the end (0 = only at the end)."""
+    eval_every_steps: int = field(default=0, metadata={NEVER: 0})
+    """Evaluate every this many optimizer steps, and at the end (0 or null = only at the end)."""
 
     log_every_steps: int = 1
     """Write metrics every this many optimizer steps."""
@@ -452,8 +456,8 @@ class EvalConfig:
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    save_every_steps: int = 0
-    """Save a checkpoint every this many optimizer steps and at the last step (0 = no checkpoints)."""
+    save_every_steps: int = field(default=0, metadata={NEVER: 0})
+    """Save a checkpoint every this many optimizer steps and at the last step (0 or null = no checkpoints)."""
 
     keep_last: int = 2
     """Complete checkpoints to keep; older ones are deleted after each successful save."""
@@ -1134,7 +1138,9 @@ def _build(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
     values, failed, complete = {}, [], True
     for name, f in fields.items():
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if name in raw:
+        if name in raw and raw[name] is None and NEVER in f.metadata:
+            values[name] = f.metadata[NEVER]  # an interval left empty: never (what 0 says)
+        elif name in raw:
             values[name] = _coerce(raw[name], hints[name], f"{prefix}{name}", errors)
             if values[name] is _INVALID:
                 failed.append(name)
@@ -1217,7 +1223,11 @@ def _coerce(value: Any, hint: Any, name: str, errors: list[str]) -> Any:
     elif isinstance(value, hint):
         return value
     if value is None:
-        errors.append(f"{name} is empty; give it a {hint.__name__} value")
+        errors.append(f"{name} is empty; give it {_a(hint.__name__)} value")
     else:
-        errors.append(f"{name} must be {hint.__name__}, got {value!r}")
+        errors.append(f"{name} must be {_a(hint.__name__)}, got {value!r}")
     return _INVALID
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"

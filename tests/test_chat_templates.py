@@ -784,6 +784,16 @@ DROPS_CALL_TEXT = r"""{%- for m in messages %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"""
 
+# Keeps only what follows an earlier turn's `</think>`, and a newline before the calls only when that is not empty (as
+# NVIDIA's Nemotron-Nano-v2 does): a turn of calls whose content is a think block renders as if it had none.
+STRIPS_CALL_THINK = r"""{%- for m in messages %}
+{%- set content = m.content.split('</think>')[-1] if m.content else '' %}
+{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\n\n' + content }}
+{%- if m.tool_calls %}{{- ('\n' if content else '') + (m.tool_calls[0].function | tojson) }}{% endif %}
+{{- '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"""
+
 
 def template_tokenizer(base_tokenizer, template: str, eos: str, specials: list[str]):
     tokenizer = AutoTokenizer.from_pretrained(base_tokenizer.name_or_path)
@@ -838,9 +848,10 @@ def test_a_tool_result_that_names_its_call_leaves_the_call_located(base_tokenize
     assert trained == '<|tool_call|>call:get_weather{"city": "Paris"}<|/tool_call|><|end|>It is sunny.<|end|>'
 
 
-def test_text_a_template_drops_from_a_turn_of_tool_calls_is_refused_naming_why(base_tokenizer):
-    tokenizer = template_tokenizer(base_tokenizer, DROPS_CALL_TEXT, "<|eot_id|>", ["<|start_header_id|>",
-                                                                                   "<|end_header_id|>"])  # fmt: skip
+@pytest.mark.parametrize("template", [DROPS_CALL_TEXT, STRIPS_CALL_THINK], ids=["writes-calls-only", "strips-think"])
+def test_text_a_template_drops_from_a_turn_of_tool_calls_is_refused_naming_why(base_tokenizer, template):
+    tokenizer = template_tokenizer(base_tokenizer, template, "<|eot_id|>", ["<|start_header_id|>",
+                                                                            "<|end_header_id|>"])  # fmt: skip
     assert trained_and_ids(tokenizer, TOOL_CHAT)[0] == (
         '{"name": "get_weather", "arguments": {"city": "Paris"}}<|eot_id|>It is sunny.<|eot_id|>'
     )
@@ -1182,7 +1193,7 @@ def test_arguments_are_given_as_text_to_a_template_that_writes_them_as_given(bas
 
 def test_the_vendors_templates_in_shared_train_what_they_write(repo_root=None):
     """../shared/chat-templates: the vendors' own templates, with real tokenizers, judged by its check.py. The
-    cases left (7 refused, 7 wrong) are said in the closing note; none may come back."""
+    cases left (7 refused, each naming the text its template drops; 0 wrong) are said in the closing note."""
     import subprocess
     import sys
     from pathlib import Path
@@ -1194,4 +1205,7 @@ def test_the_vendors_templates_in_shared_train_what_they_write(repo_root=None):
     counts = re.search(r"(\d+)/(\d+) correct, (\d+) refused, (\d+) wrong", result.stdout)
     assert counts, result.stdout[-2000:] + result.stderr[-2000:]
     correct, total, refused, wrong = map(int, counts.groups())
-    assert correct >= 362 and wrong <= 7 and refused <= 7, result.stdout[-4000:]
+    assert correct >= 369 and wrong == 0 and refused <= 7, result.stdout[-4000:]
+    # Each refusal names what the template does (drops a turn's text), never only that replies cannot be located.
+    refusals = [line for line in result.stdout.splitlines() if ": refused: " in line]
+    assert all("writes no text" in line for line in refusals), "\n".join(refusals)

@@ -69,10 +69,17 @@ def test_all_errors_reported_at_once(tmp_path):
     for fragment in (
         "unknown key bogus; valid keys: model, data, optim, train, output, checkpoint",
         "optim.schedule must be one of cosine, linear, constant; got 'cosin'",
-        "train.micro_batch_size must be int, got 'two'",
+        "train.micro_batch_size must be an int, got 'two'",
         "model.name_or_path is empty; give it a str value",
     ):
         assert fragment in message
+
+
+def test_an_interval_left_empty_means_never_and_other_empty_settings_say_what_to_write(tmp_path):
+    recipe = load_recipe(write(tmp_path, MINIMAL), ["train.eval_every_steps=null", "checkpoint.save_every_steps="])
+    assert (recipe.train.eval_every_steps, recipe.checkpoint.save_every_steps) == (0, 0)  # as 0: only at the end
+    with pytest.raises(ConfigError, match=r"train.log_every_steps is empty; give it an int value"):
+        load_recipe(write(tmp_path, MINIMAL), ["train.log_every_steps=null"])
 
 
 def test_missing_required_keys(tmp_path):

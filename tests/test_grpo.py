@@ -582,6 +582,25 @@ def test_prompts_are_tokenized_checked_and_kept_with_their_columns(demo_assets):
         samples.prepare([(None, datasets.Dataset.from_list([{"prompt": "p", "solution": "s"}]))], tokenizer, data, 0)
 
 
+def test_prompts_whose_answer_is_null_are_said_once_when_read(demo_assets):
+    import datasets
+    from transformers import AutoTokenizer
+
+    from finetune.config import DataConfig
+    from finetune.data.prompt_only import PromptOnly
+    from finetune.rollouts.rewards import unscored
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_assets / "base")
+    rewards = build_rewards([RewardConfig(function="exact_match", label="correct")])
+    samples = PromptOnly(8, lambda columns, where: None, lambda prompts: unscored(rewards, prompts))
+    rows = [{"prompt": "reverse: 1 2", "answer": "2 1"}, {"prompt": "reverse: 3 4", "answer": None},
+            {"prompt": "reverse: 5 6", "answer": None}]  # fmt: skip
+    _, stats = samples.prepare([(None, datasets.Dataset.from_list(rows))], tokenizer, DataConfig(
+        train_path="unused", max_length=24, packing=False), 0)  # fmt: skip
+    assert stats.describe("train").endswith("; 2 with a null answer, left unscored by correct")
+    assert unscored(rewards, datasets.Dataset.from_list(rows[:1])) == []
+
+
 def test_every_prompt_is_checked_when_read_and_a_prefill_is_continued(demo_assets, tmp_path):
     import datasets
     from transformers import AutoTokenizer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -107,6 +108,24 @@ def test_plan_refuses_a_launch_that_check_and_training_refuse(demo_assets, capsy
     with pytest.raises(SystemExit):
         main(["plan", grpo, "--config", config, "--gpu-memory", "1GB", "--typo"])
     assert "unrecognized arguments: --typo" in capsys.readouterr().err
+
+
+def test_plan_and_check_hold_rows_to_the_positions_the_model_attends(demo_assets, capsys):
+    """The longest row is capped at the model's positions (after config_overrides), and a data.max_length past them
+    is refused by plan and check as training refuses it."""
+    from finetune.cli import main
+
+    model = f"model.name_or_path={demo_assets / 'base'}"
+    config = ["--config", str(CONFIGS / "fsdp2_full_shard.yaml"), "--num-processes", "2", "--gpu-memory", "80GB"]
+    assert main(["plan", str(DEMO_RECIPE), *config, model]) == 0
+    assert re.search(r"longest data.max_length this launch fits: 256 tokens, the model's positions \(memory alone "
+                     r"would allow [\d,]+; with ", capsys.readouterr().out)  # fmt: skip
+    for command in ("plan", "check"):
+        assert main([command, str(DEMO_RECIPE), *config, model, "data.max_length=512"]) == 2
+        assert "data.max_length=512 exceeds the 256 positions of" in capsys.readouterr().err
+    longer = "model.config_overrides={max_position_embeddings: 2048}"
+    assert main(["plan", str(DEMO_RECIPE), *config, model, longer, "data.max_length=512"]) == 0
+    assert "fits: 2,048 tokens, the model's positions" in capsys.readouterr().out
 
 
 def test_plan_inputs_that_cannot_be_planned(tmp_path):

@@ -39,6 +39,8 @@ class PromptStats:
     num_invalid: int = 0
     """data.invalid=drop: malformed prompts left out, and the first reasons."""
     invalid_examples: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    """What the rewards say of the prompts kept (rows they leave unscored)."""
 
     def describe(self, split: str) -> str:
         dropped = f", {self.num_too_long:,} dropped as longer than the room left for completions" * bool(
@@ -46,6 +48,7 @@ class PromptStats:
         )
         if self.num_invalid:
             dropped += f", {self.num_invalid:,} invalid dropped (first: {' | '.join(self.invalid_examples)})"
+        dropped += "".join(f"; {note}" for note in self.notes)
         return f"{split}: {self.num_prompts:,} prompts, {self.num_tokens:,} tokens (longest {self.longest:,}){dropped}"
 
 
@@ -54,10 +57,17 @@ class PromptOnly:
 
     numbered = False
 
-    def __init__(self, max_new_tokens: int, check_columns: Callable[[list[str], str], None]):
+    def __init__(
+        self,
+        max_new_tokens: int,
+        check_columns: Callable[[list[str], str], None],
+        unscored: Callable[[datasets.Dataset], list[str]] = lambda prompts: [],
+    ):
         self.max_new_tokens = max_new_tokens
         self.check_columns = check_columns
         """Refuses data lacking a column the rewards read (given its columns, and where it is, for the message)."""
+        self.unscored = unscored
+        """What the rewards leave unscored in the prompts kept: said once, with the data's counts."""
 
     def prepare(
         self,
@@ -125,8 +135,9 @@ class PromptOnly:
         every = every.add_column("prompt_index", numpy.arange(len(every), dtype=numpy.int64))
         lengths = numpy.array([len(ids) for ids in every["prompt_ids"]])
         stats = PromptStats(
-            len(every), too_long, int(lengths.sum()), int(lengths.max()), len(invalid), tuple(invalid[:3])
-        )
+            len(every), too_long, int(lengths.sum()), int(lengths.max()), len(invalid), tuple(invalid[:3]),
+            tuple(self.unscored(every)),
+        )  # fmt: skip
         return every, stats
 
     def collate(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Any:

@@ -265,11 +265,21 @@ def check_max_length(cfg: ModelConfig, max_length: int, setting: str = "model.na
     positions they never saw. `setting` names the model: the student's, or a second model scoring the same rows
     (a teacher, a preference reference)."""
     check_model_path(cfg.name_or_path, setting)
-    limit = getattr(load_model_config(cfg, setting).get_text_config(), "max_position_embeddings", None)
-    if isinstance(limit, int) and max_length > limit:
+    check_positions(positions_of(load_model_config(cfg, setting)), max_length, cfg.name_or_path, setting)
+
+
+def positions_of(config: PretrainedConfig) -> int | None:
+    """The positions a model attends (its config's `max_position_embeddings`, after config_overrides), if it says."""
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def check_positions(limit: int | None, max_length: int, name: str, setting: str = "model.name_or_path") -> None:
+    """`check_max_length` given the positions already read (the planner reads configs without the model's folder)."""
+    if limit is not None and max_length > limit:
         which = "" if setting == "model.name_or_path" else f" ({setting})"
         raise FinetuneError(
-            f"data.max_length={max_length} exceeds the {limit} positions of {cfg.name_or_path}{which}; "
+            f"data.max_length={max_length} exceeds the {limit} positions of {name}{which}; "
             f"set data.max_length to {limit} or less"
         )
 

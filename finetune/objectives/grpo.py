@@ -58,7 +58,7 @@ from finetune.rollouts.generation import (
     sample_rollout,
     stop_tokens,
 )
-from finetune.rollouts.rewards import Reward, build_rewards, check_columns, score
+from finetune.rollouts.rewards import Reward, build_rewards, check_columns, score, unscored
 from finetune.rollouts.static_decode import StaticDecoding, check_static_cache
 
 if TYPE_CHECKING:
@@ -331,7 +331,9 @@ class GRPOBuilder:
             check_static_cache(load_model_config(model), model.name_or_path)
         self.rewards = build_rewards(cfg.rewards, cfg.max_new_tokens)
         self.samples = PromptOnly(
-            cfg.max_new_tokens, lambda columns, where: check_columns(self.rewards, columns, where)
+            cfg.max_new_tokens,
+            lambda columns, where: check_columns(self.rewards, columns, where),
+            lambda prompts: unscored(self.rewards, prompts),
         )
 
     def prepare_model(self, model: torch.nn.Module, accelerator: Accelerator) -> None:

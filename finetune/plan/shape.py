@@ -17,6 +17,7 @@ from finetune.model.loading import (
     check_model_path,
     load_model_config,
     meta_model,
+    positions_of,
 )
 
 
@@ -48,6 +49,11 @@ class ModelShape:
     teacher_hidden: int = 0
     teacher_table: bool = False
     """distill.teacher_top_k: the teacher is loaded for its table, then freed; none while training."""
+    positions: int | None = None
+    """The longest row the model (and its teacher, which reads the same rows) attends: the fewest positions their
+    configs give, after config_overrides; None where neither says."""
+    positions_of: str = "model.name_or_path"
+    """The setting that names the model whose positions those are."""
 
 
 def planned_model(recipe: RecipeConfig) -> PreTrainedModel:
@@ -72,7 +78,10 @@ def recipe_shape(recipe: RecipeConfig, model: PreTrainedModel | None = None) -> 
                       trust_remote_code=recipe.model.trust_remote_code)  # fmt: skip
     teacher = model_shape(meta_model(load_model_config(cfg, "distill.teacher", "distill.teacher_config_file")))
     table = recipe.distill.teacher_top_k is not None
-    return replace(shape, teacher=teacher.parameters, teacher_hidden=teacher.hidden, teacher_table=table)
+    shape = replace(shape, teacher=teacher.parameters, teacher_hidden=teacher.hidden, teacher_table=table)
+    if teacher.positions is not None and (shape.positions is None or teacher.positions < shape.positions):
+        shape = replace(shape, positions=teacher.positions, positions_of="distill.teacher")
+    return shape
 
 
 def model_shape(model: PreTrainedModel) -> ModelShape:
@@ -103,6 +112,7 @@ def model_shape(model: PreTrainedModel) -> ModelShape:
         heads=heads,
         head_dim=head_dim,
         routed=experts.active if experts is not None else 0,
+        positions=positions_of(model.config),
         trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
         adapters=adapters,
         quantizable=sum(

@@ -23,6 +23,7 @@ from finetune.model.loading import (
     check_attention,
     check_mlp_tiling,
     check_packing,
+    check_positions,
     check_quantized_base,
 )
 from finetune.plan.estimates import Estimate, estimate
@@ -61,6 +62,7 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     """The report: a table per strategy and a verdict for the configured one."""
     refuse_launch(recipe, launch)
     shape = recipe_shape(recipe)
+    refuse_positions(shape, recipe)
     estimates = {strategy: estimate(shape, recipe, launch, strategy) for strategy in STRATEGIES}
     largest = max(e.device_total("none") for e in estimates.values())
     unit_name, gib = ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
@@ -125,13 +127,29 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
             "device until it is sharded)"
         )
     lines.append(f"verdict (* = this config): {verdict(shape, recipe, launch, gpu_memory)}")
-    longest = longest_fitting_length(shape, recipe, launch, gpu_memory)
-    lines.append(
-        f"longest data.max_length this launch fits: {longest:,} tokens ({_long_row_pieces(shape, recipe, launch)})"
-        if longest
-        else "longest data.max_length this launch fits: none of 1,024 tokens or more"
-    )
+    lines.append(_longest_line(shape, recipe, launch, gpu_memory))
     return "\n".join(lines)
+
+
+def refuse_positions(shape: ModelShape, recipe: RecipeConfig) -> None:
+    """A data.max_length past the positions of the model (or its teacher), refused as training refuses it."""
+    name = recipe.distill.teacher if shape.positions_of == "distill.teacher" and recipe.distill else None
+    check_positions(shape.positions, recipe.data.max_length, name or recipe.model.name_or_path, shape.positions_of)
+
+
+def _longest_line(shape: ModelShape, recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
+    """The longest row memory allows, no longer than the positions the model (and its teacher) attend."""
+    longest = longest_fitting_length(shape, recipe, launch, gpu_memory)
+    pieces = _long_row_pieces(shape, recipe, launch)
+    if shape.positions is not None and longest >= shape.positions:
+        whose = "the teacher's (distill.teacher)" if shape.positions_of == "distill.teacher" else "the model's"
+        return (
+            f"longest data.max_length this launch fits: {shape.positions:,} tokens, {whose} positions (memory alone "
+            f"would allow {longest:,}; {pieces})"
+        )
+    if not longest:
+        return "longest data.max_length this launch fits: none of 1,024 tokens or more"
+    return f"longest data.max_length this launch fits: {longest:,} tokens ({pieces})"
 
 
 def _long_row_pieces(shape: ModelShape, recipe: RecipeConfig, launch: Launch) -> str:
@@ -278,6 +296,7 @@ def check(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
     if problems:
         raise FinetuneError(f"cannot train with {launch.config_path}: " + "; ".join(problems))
     shape = recipe_shape(recipe, model)
+    refuse_positions(shape, recipe)
     source = recipe.model.config_file or recipe.model.name_or_path
     lines = [f"model: {shape.name} from {source}, {shape.parameters:,} parameters{trainable_line(shape)}"]
     if launch.strategy != "ddp" and launch.wrap_policy == "TRANSFORMER_BASED_WRAP":

@@ -22,12 +22,15 @@ import numbers
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from finetune.config import RewardConfig
 from finetune.errors import FinetuneError, first_line, imported
+
+if TYPE_CHECKING:
+    import datasets
 
 ARGUMENTS = ("prompts", "completions", "completion_ids")
 """What every reward function is given besides the data's columns."""
@@ -92,6 +95,18 @@ def check_columns(rewards: list[Reward], columns: Sequence[str], where: str) -> 
                 f"rl.rewards: {reward.name} requires {', '.join(missing)}, which {where} lacks as columns (columns: "
                 f"{', '.join(columns)}); give the argument a default or add the column"
             )
+
+
+def unscored(rewards: list[Reward], prompts: datasets.Dataset) -> list[str]:
+    """What the data leaves unscored, said once when it is read: rows whose column a built-in compares with is null
+    (their completions get no score from it, as `exact_match` scores None against nothing, not 0)."""
+    notes = []
+    for reward in rewards:
+        if reward.column is not None and reward.column in prompts.column_names:
+            nulls = sum(value is None for value in prompts[reward.column])
+            if nulls:
+                notes.append(f"{nulls:,} with a null {reward.column}, left unscored by {reward.name}")
+    return notes
 
 
 def score(

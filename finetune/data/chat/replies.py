@@ -113,6 +113,7 @@ def render_chats(
         except UnclosedThink:
             raise unclosed_think(indices[n]) from None
         if located is None:
+            _refuse_dropped_call_text(batch.chat(n), trained, text)
             if multi_turn != "per_turn":
                 raise FinetuneError(
                     f"sample {indices[n]}: the chat template renders this conversation so that its assistant "
@@ -128,6 +129,28 @@ def render_chats(
         reasoning.append(located[1])
     rendered = RenderedChats(texts, spans, reasoning, [False] * len(texts))
     return _expanded(rendered, per_turn) if per_turn else rendered
+
+
+def _refuse_dropped_call_text(chat: Chat, trained: tuple[int, ...] | list[int], text: str) -> None:
+    """Refuse a conversation whose template writes nothing of a trained turn's text beside its tool calls (its words,
+    or reasoning given in the content as a think block): rendered without that text, the conversation is the same.
+    Such a turn cannot be located, and saying why is more use than saying that."""
+    for i in trained:
+        message = chat.messages[i]
+        if not (message.get("tool_calls") and message.get("content")):
+            continue
+        without = [*chat.messages[:i], {**message, "content": ""}, *chat.messages[i + 1 :]]
+        try:
+            dropped = chat.render(without) == text
+        except FinetuneError:  # the template refuses a turn of calls alone: then it writes the text it was given
+            continue
+        if dropped:
+            raise FinetuneError(
+                f"sample {chat.index}, message {i}: the chat template writes no text for an assistant turn that makes "
+                "tool calls, so this turn's text (its reasoning or words before the calls) would be neither seen nor "
+                "trained; move that text to a turn of its own or remove it, or set data.chat_template to a template "
+                "that renders it"
+            )
 
 
 def _expanded(rendered: RenderedChats, per_turn: dict[int, list[RenderedChat]]) -> RenderedChats:
