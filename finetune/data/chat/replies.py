@@ -145,12 +145,15 @@ def _refuse_dropped_call_text(chat: Chat, trained: tuple[int, ...] | list[int], 
         except FinetuneError:  # the template refuses a turn of calls alone: then it writes the text it was given
             continue
         if dropped:
-            raise FinetuneError(
-                f"sample {chat.index}, message {i}: the chat template writes no text for an assistant turn that makes "
-                "tool calls, so this turn's text (its reasoning or words before the calls) would be neither seen nor "
-                "trained; move that text to a turn of its own or remove it, or set data.chat_template to a template "
-                "that renders it"
-            )
+            raise _dropped_call_text(chat.index, i)
+
+
+def _dropped_call_text(sample: int, message: int) -> FinetuneError:
+    return FinetuneError(
+        f"sample {sample}, message {message}: the chat template writes no text for an assistant turn that makes tool "
+        "calls, so this turn's text (its reasoning or words before the calls) would be neither seen nor trained; move "
+        "that text to a turn of its own or remove it, or set data.chat_template to a template that renders it"
+    )
 
 
 def _expanded(rendered: RenderedChats, per_turn: dict[int, list[RenderedChat]]) -> RenderedChats:
@@ -271,12 +274,7 @@ def _reply_spans(
         for kind, placeholder in kinds + ([("call", calls[k][1])] if k in calls else []):
             count = marked.count(placeholder)
             if kind == "reply" and count == 0 and chat.messages[i].get("tool_calls") and k not in names:
-                raise FinetuneError(
-                    f"sample {chat.index}, message {i}: the chat template writes no text for an assistant turn that "
-                    "makes tool calls, so this turn's text (its reasoning or words before the calls) would be "
-                    "neither seen nor trained; move that text to a turn of its own or remove it, or set "
-                    "data.chat_template to a template that renders it"
-                )
+                raise _dropped_call_text(chat.index, i)
             if count > 1 or (kind == "reply" and count == 0):
                 return None
             if count:
