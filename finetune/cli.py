@@ -66,7 +66,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from finetune.run import demo
 
-            demo.build(args.dir) if args.action == "build" else demo.report(args.dir, args.run, args.before)
+            if args.action in ("build-agent", "report-agent"):
+                from finetune.run import demo_agent
+
+                if args.action == "build-agent":
+                    demo_agent.build(args.dir)
+                else:
+                    demo_agent.report(args.dir, args.run, args.before)
+            else:
+                demo.build(args.dir) if args.action == "build" else demo.report(args.dir, args.run, args.before)
     except FinetuneError as exc:
         # Every rank hits the same user error; one copy of the message is enough, and rank 0 prints it.
         # torch's launcher stops all workers as soon as one exits with an error, so the others give rank 0
@@ -177,7 +185,7 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--wrap", help="fsdp_transformer_layer_cls_to_wrap, overriding the config's")
         sub.add_argument("--gpu-memory", default="80GB", help="memory of one device, e.g. 80GB, 24GiB")
     demo_parser = commands.add_parser("demo", help="the offline demo: build its base model and data, or report")
-    demo_parser.add_argument("action", choices=["build", "report"])
+    demo_parser.add_argument("action", choices=["build", "report", "build-agent", "report-agent"])
     demo_parser.add_argument("--dir", default="outputs/demo", help="demo working folder (base model and data)")
     demo_parser.add_argument("--run", default="outputs/demo/run", help="output.dir of the demo training run")
     demo_parser.add_argument(

@@ -755,6 +755,26 @@ class RLConfig:
     prompts (a step's worth each, drawn from the data as the next steps would) are answered until the step has
     train.global_batch_size prompts whose groups' rewards differ; 0: off, every prompt drawn is trained."""
 
+    tools: list[str] = field(default_factory=list)
+    """Agents (finetune/rollouts/episodes.py): Python functions the model may call, as `module:function` (TRL's
+    `tools`); each is offered through the chat template's `tools` with the JSON schema of its signature and
+    docstring, and a completion becomes an episode of turns, the calls between them run and answered."""
+
+    environment_factory: str | None = None
+    """Agents: `module:callable` returning a fresh environment per episode (TRL's `environment_factory`):
+    `reset(**row)` before it, its public methods as tools, `get_reward()` optionally (a reward), `close()` after."""
+
+    max_turns: int = 8
+    """Agents: the most model turns in an episode (an episode still calling tools at the last ends there)."""
+
+    tool_timeout: float = 30.0
+    """Agents: seconds a tool call may take; past it the model reads a timeout error as the call's result."""
+
+    @property
+    def agents(self) -> bool:
+        """Completions are episodes that call tools."""
+        return bool(self.tools) or self.environment_factory is not None
+
     @property
     def lower_epsilon(self) -> float:
         return 0.2 if self.epsilon is None else self.epsilon
@@ -806,7 +826,11 @@ class RLConfig:
             )
         if self.beta < 0:
             errors.append(f"rl.beta must be >= 0, got {self.beta}")
-        if not self.rewards:
+        if self.max_turns < 1:
+            errors.append(f"rl.max_turns must be >= 1, got {self.max_turns}: the most model turns in an episode")
+        if self.tool_timeout <= 0:
+            errors.append(f"rl.tool_timeout must be > 0 seconds, got {self.tool_timeout}")
+        if not self.rewards and self.environment_factory is None:
             errors.append("rl.rewards is empty; name at least one, e.g. [{function: exact_match, column: answer}]")
         for reward in self.rewards:
             if reward.function == "overlong" and (reward.cache or 0) > self.max_new_tokens:

@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from finetune.config import DataConfig
+from finetune.data.chat.messages import chat_tools
 from finetune.data.prompts import prompt_tokens
 from finetune.data.sources import SAMPLE_INDEX, source_name
 from finetune.data.tokenize import check_invalid_share
@@ -62,8 +63,11 @@ class PromptOnly:
         max_new_tokens: int,
         check_columns: Callable[[list[str], str], None],
         unscored: Callable[[datasets.Dataset], list[str]] = lambda prompts: [],
+        tools: list[dict[str, Any]] | None = None,
     ):
         self.max_new_tokens = max_new_tokens
+        self.tools = tools or []
+        """Schemas offered with every prompt (online RL's tools), after the row's own `tools`."""
         self.check_columns = check_columns
         """Refuses data lacking a column the rewards read (given its columns, and where it is, for the message)."""
         self.unscored = unscored
@@ -97,7 +101,7 @@ class PromptOnly:
             try:
                 with no_datasets_bars():
                     part = dataset.map(
-                        lambda sample, index: _tokenized(sample, index, tokenizer, cfg.invalid == "drop"),
+                        lambda sample, index: _tokenized(sample, index, tokenizer, cfg.invalid == "drop", self.tools),
                         with_indices=True, desc="tokenizing (prompts)",
                     )  # fmt: skip
             except FinetuneError as exc:
@@ -158,14 +162,21 @@ class PromptOnly:
 
 
 def _tokenized(
-    sample: dict[str, Any], index: int, tokenizer: PreTrainedTokenizerBase, drop_invalid: bool
-) -> dict[str, Any]:
+    sample: dict[str, Any], index: int, tokenizer: PreTrainedTokenizerBase, drop_invalid: bool,
+    tools: list[dict[str, Any]],
+) -> dict[str, Any]:  # fmt: skip
     """A sample's prompt tokens, or (data.invalid=drop) none and the reason it was refused."""
     index = sample.get(SAMPLE_INDEX, index)
     try:
-        ids = prompt_tokens(sample["prompt"], sample.get("tools"), tokenizer, index)
+        ids = prompt_tokens(sample["prompt"], offered_tools(sample.get("tools"), tools, index), tokenizer, index)
     except FinetuneError as exc:
         if not drop_invalid:
             raise
         return {"prompt_ids": [], "invalid": str(exc)}
     return {"prompt_ids": ids, **({"invalid": ""} if drop_invalid else {})}
+
+
+def offered_tools(row_tools: Any, run_tools: list[dict[str, Any]], index: int) -> list[dict[str, Any]] | None:
+    """The tools a prompt is rendered with: its row's own (its `tools` column), then the run's (online RL's)."""
+    own = chat_tools(row_tools, index) or []
+    return [*own, *run_tools] or None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,7 @@ from finetune.engine.batch import Batch
 from finetune.engine.processes import raised_together
 from finetune.engine.sequence import gather_rows
 from finetune.engine.wrap import reshard
+from finetune.errors import FinetuneError
 from finetune.model.loading import disable_dropout, load_model_config
 from finetune.model.weights import BaseSwitch
 from finetune.objectives.advantages import advantages
@@ -47,10 +49,12 @@ from finetune.objectives.loss import LossPath, token_logps
 from finetune.objectives.policy_loss import summed_loss, token_losses
 from finetune.objectives.rollout_groups import Sampled, dealt, summed_over_processes
 from finetune.objectives.rollout_metrics import RolloutWindow
+from finetune.rollouts.episodes import Agent, Episode, sample_episodes
 from finetune.rollouts.generation import (
     Sampling,
     complete,
     cut_short,
+    decodes_itself,
     gathers_once,
     generating,
     rollout_decoding,
@@ -58,8 +62,18 @@ from finetune.rollouts.generation import (
     sample_rollout,
     stop_tokens,
 )
-from finetune.rollouts.rewards import Reward, build_rewards, check_columns, score, unscored
+from finetune.rollouts.rewards import (
+    ENVIRONMENT_REWARDS,
+    Reward,
+    build_rewards,
+    check_columns,
+    environment_reward,
+    score,
+    unscored,
+)
 from finetune.rollouts.static_decode import StaticDecoding, check_static_cache
+from finetune.rollouts.tool_calls import tool_template
+from finetune.rollouts.tools import EnvironmentFactory, load_tools
 
 if TYPE_CHECKING:
     from finetune.objectives import BuildContext
@@ -89,6 +103,8 @@ class GRPO:
     window: RolloutWindow = field(init=False)
     cached: tuple[int, list[Batch]] | None = None
     """The rollout trained on again (num_iterations > 1): the step it was sampled at, and its micro-batches."""
+    agent: Agent | None = None
+    """Agents (rl.tools, rl.environment_factory): completions are episodes (`finetune.rollouts.episodes`)."""
     metric_names: tuple[str, ...] = ()
     progress_name: str | None = None
 
@@ -154,6 +170,7 @@ class GRPO:
             batches.append(self._completion_batch(
                 sampled.prompts[start : start + rows], sampled.completions[start : start + rows],
                 advantage[start : start + rows], sampled.truncated[start : start + rows],
+                sampled.wrote[start : start + rows],
             ))  # fmt: skip
             start += rows
         self._add_log_probabilities(model, batches, accelerator)
@@ -180,17 +197,46 @@ class GRPO:
         sampling = Sampling(self.cfg.temperature, self.cfg.top_p, row_noise(seeds, self.cfg.max_new_tokens))
         began = time.perf_counter()
         new_tokens, once = self.cfg.max_new_tokens, self.gather_once
-        completions = sample_rollout(
-            model, prompts, self.tokenizer, accelerator, new_tokens, sampling, once, generations, self.static
-        )
+        if self.agent is not None:
+            episodes = self._episodes(model, micro_batches, prompts, accelerator, sampling, generations)
+            completions, wrote = [e.ids for e in episodes], [e.wrote for e in episodes]
+            truncated = [e.end == "length" for e in episodes]
+            self.window.add_episodes([e.counts for e in episodes], [e.end for e in episodes])
+        else:
+            completions = sample_rollout(
+                model, prompts, self.tokenizer, accelerator, new_tokens, sampling, once, generations, self.static
+            )
+            wrote, episodes = [[1] * len(c) for c in completions], None
+            truncated = cut_short(completions, stop_tokens(model, self.tokenizer))  # cut at max_new_tokens
         seconds = time.perf_counter() - began
-        truncated = cut_short(completions, stop_tokens(model, self.tokenizer))  # cut at max_new_tokens
-        per_function = raised_together(accelerator, self._score, micro_batches, completions, generations)
+        per_function = raised_together(accelerator, self._score, micro_batches, completions, generations, episodes)
         _, rewards, no_signal = advantages(per_function, self._weights, generations, "group")
         lengths = [len(c) for c in completions]
         self.window.add_rollout(rewards, per_function, lengths, truncated, no_signal, generations, seconds)
         signal = ~no_signal.view(-1, generations)[:, 0]
-        return Sampled(prompts, completions, per_function, truncated, [(round_, i) for i in indices], signal)
+        return Sampled(prompts, completions, per_function, truncated, [(round_, i) for i in indices], signal, wrote)
+
+    def _episodes(
+        self,
+        model: torch.nn.Module,
+        micro_batches: list[Batch],
+        prompts: list[list[int]],
+        accelerator: Accelerator,
+        sampling: Sampling | None,
+        generations: int,
+    ) -> list[Episode]:
+        """The prompts' episodes (agents), each given its environment's reward (`environment_reward`)."""
+        rows = [
+            {**{name: values[n] for name, values in batch["columns"].items()}, "prompt_index": int(index)}
+            for batch in micro_batches for n, index in enumerate(batch["prompt_index"]) for _ in range(generations)
+        ]  # fmt: skip
+        episodes, rewards = sample_episodes(
+            model, self.agent, prompts, rows, accelerator, self.cfg.max_new_tokens, sampling, self.gather_once,
+            generations,
+        )  # fmt: skip
+        for episode, reward in zip(episodes, rewards, strict=True):
+            episode.environment_reward = reward
+        return episodes
 
     def _refilled(
         self,
@@ -222,14 +268,25 @@ class GRPO:
     def _weights(self) -> torch.Tensor:
         return torch.tensor([reward.weight for reward in self.rewards])
 
-    def _score(self, micro_batches: list[Batch], completions: list[list[int]], repeats: int) -> torch.Tensor:
+    def _score(
+        self,
+        micro_batches: list[Batch],
+        completions: list[list[int]],
+        repeats: int,
+        episodes: list[Episode] | None = None,
+    ) -> torch.Tensor:
         """Rewards per completion and function, each function called once with every completion given; each
-        prompt's columns repeated for its `repeats` completions."""
+        prompt's columns repeated for its `repeats` completions. Episodes are given as their messages (the model's
+        ids as completion_ids), with their environments' rewards."""
         columns: dict[str, list[Any]] = {}
         for batch in micro_batches:
             for name, values in batch["columns"].items():
                 columns.setdefault(name, []).extend(v for v in values for _ in range(repeats))
         prompts = columns.pop("prompt")
+        if episodes is not None:
+            columns[ENVIRONMENT_REWARDS] = [e.environment_reward for e in episodes]
+            given = [e.messages for e in episodes]
+            return score(self.rewards, prompts, given, [e.model_ids for e in episodes], columns)
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         # As TRL gives them: conversations' completions as an assistant message (a prefill's text, the prompt's last
         # assistant message, before what the model wrote, and no longer in the prompt), text prompts' as text.
@@ -245,11 +302,16 @@ class GRPO:
         return score(self.rewards, prompts, given, completions, columns)
 
     def _completion_batch(
-        self, prompts: list[list[int]], completions: list[list[int]], advantage: torch.Tensor, truncated: list[bool]
+        self,
+        prompts: list[list[int]],
+        completions: list[list[int]],
+        advantage: torch.Tensor,
+        truncated: list[bool],
+        wrote: list[list[int]],
     ) -> Batch:
         """The completions as training rows (`finetune.data.rollout`): each prompt shared by its completions where
         the model's attention can, else a row per completion; the completions' tokens are the targets, in the same
-        order either way."""
+        order either way, those the model did not write (an episode's tool answers) masked."""
         pad, group = self.tokenizer.pad_token_id, self.cfg.num_generations
         if self.share_prompts:
             rows = shared_rows(prompts, completions, group, pad)
@@ -257,7 +319,7 @@ class GRPO:
             rows = separate_rows(prompts, completions, pad)
         token_sequence = [n for n, completion in enumerate(completions) for _ in completion]
         masked = [self.cfg.mask_truncated and cut for cut in truncated]
-        token_mask = [0.0 if masked[n] else 1.0 for n in token_sequence]
+        token_mask = [0.0 if masked[n] else float(w) for n, completion in enumerate(wrote) for w in completion]
         batch: Batch = {
             **rows, "num_tokens": rows["attention_mask"].sum(), "advantages": advantage.float(),
             "token_sequence": torch.tensor(token_sequence), "token_mask": torch.tensor(token_mask),
@@ -288,13 +350,19 @@ class GRPO:
         model.eval()
         sums = torch.zeros(2 + 2 * len(self.rewards), dtype=torch.float64)
         count = 0
-        with generating(model, gather_once=self.gather_once) as lock_step:
+        # Episodes enter generation themselves (with their environments around it).
+        with generating(model, gather_once=self.gather_once) if self.agent is None else nullcontext() as lock_step:
             for batch in loader:
-                completions = complete(
-                    model, batch["prompt_ids"], self.tokenizer, accelerator, self.cfg.max_new_tokens,
-                    lock_step=lock_step,
-                )  # fmt: skip
-                per_function = raised_together(accelerator, self._score, [batch], completions, 1)
+                episodes = None
+                if self.agent is not None:  # greedy episodes
+                    episodes = self._episodes(model, [batch], batch["prompt_ids"], accelerator, None, 1)
+                    completions = [e.ids for e in episodes]
+                else:
+                    completions = complete(
+                        model, batch["prompt_ids"], self.tokenizer, accelerator, self.cfg.max_new_tokens,
+                        lock_step=lock_step,
+                    )  # fmt: skip
+                per_function = raised_together(accelerator, self._score, [batch], completions, 1, episodes)
                 reward = (per_function * self._weights).nansum(dim=1, keepdim=True)
                 length = torch.tensor([[len(c)] for c in completions], dtype=torch.float32)
                 scored = (~torch.isnan(per_function)).float()
@@ -330,10 +398,22 @@ class GRPOBuilder:
         if cfg.rollout_cache == "static":
             check_static_cache(load_model_config(model), model.name_or_path)
         self.rewards = build_rewards(cfg.rewards, cfg.max_new_tokens)
+        self.tools = load_tools(cfg.tools)
+        factory = cfg.environment_factory
+        self.environment = EnvironmentFactory.load(factory, self.tools) if factory else None
+        if self.environment is not None and self.environment.rewarded:
+            self.rewards.append(environment_reward(self.environment.kind.__name__))
+        if not self.rewards:
+            raise FinetuneError(
+                f"rl.rewards is empty and rl.environment_factory={cfg.environment_factory} gives no reward (its "
+                "environments have no get_reward method); name a reward in rl.rewards, or define get_reward"
+            )
+        schemas = [tool.schema for tool in self.tools] + (self.environment.schemas if self.environment else [])
         self.samples = PromptOnly(
             cfg.max_new_tokens,
             lambda columns, where: check_columns(self.rewards, columns, where),
             lambda prompts: unscored(self.rewards, prompts),
+            schemas,
         )
 
     def prepare_model(self, model: torch.nn.Module, accelerator: Accelerator) -> None:
@@ -351,6 +431,7 @@ class GRPOBuilder:
         objective = GRPO(
             self.cfg, context.loss_path, self.rewards, context.tokenizer, context.recipe.train.seed,
             base_switch=context.weights.base_switch() if self.cfg.beta else None, gather_once=once, static=static,
+            agent=self._agent(model, context.tokenizer, static, accelerator),
         )  # fmt: skip
         if self.cfg.beta and objective.base_switch is None:
             from finetune.objectives.reference import frozen_model
@@ -362,6 +443,34 @@ class GRPOBuilder:
         objective.share_prompts, line = _share_prompts(models)
         accelerator.print(line)
         return objective, lambda: None
+
+    def _agent(
+        self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, static: StaticDecoding | None,
+        accelerator: Accelerator,
+    ) -> Agent | None:  # fmt: skip
+        """What plays episodes (agents: rl.tools or rl.environment_factory), with the log's line on the template's
+        calls; None for single-turn completions."""
+        if not self.cfg.agents:
+            return None
+        if static is not None or not decodes_itself(model):
+            why = "rl.rollout_cache=static" if static is not None else f"{type(model).__name__}'s own kind of cache"
+            raise FinetuneError(
+                f"rl.tools: episodes are decoded over a dynamic KV cache that answers are appended to, not {why}; "
+                "set rl.rollout_cache: dynamic (a model whose cache is of its own kind cannot play episodes)"
+            )
+        template = tool_template(tokenizer)
+        accelerator.print(f"agents: {template.describe()}")
+        difference = template.history_difference()
+        if difference is not None:
+            accelerator.print(
+                f"agents: the chat template renders a finished turn otherwise than the model read it while acting "
+                f"({difference}); episodes keep what the model read and wrote, which SFT on the same conversations "
+                "would not train on"
+            )
+        stops = stop_tokens(model, tokenizer)
+        ends = [tokenizer.convert_tokens_to_ids(end) for end in template.ends if end in tokenizer.get_vocab()]
+        return Agent(tokenizer, template, self.tools, self.environment, self.cfg.max_turns, self.cfg.tool_timeout,
+                     list(dict.fromkeys(stops + ends)))  # fmt: skip
 
 
 def _share_prompts(models: list[torch.nn.Module]) -> tuple[bool, str]:

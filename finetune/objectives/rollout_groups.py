@@ -27,6 +27,8 @@ class Sampled:
     """Each group's (round, prompt number): its place in the step, the same on any process count."""
     signal: torch.Tensor
     """(groups,) whether the group's rewards differ."""
+    wrote: list[list[int]]
+    """Per completion token, 1 where the model sampled it (0: a tool's answer in an episode, context only)."""
 
     @staticmethod
     def joined(parts: list[Sampled]) -> Sampled:
@@ -34,6 +36,7 @@ class Sampled:
             [p for part in parts for p in part.prompts], [c for part in parts for c in part.completions],
             torch.cat([part.per_function for part in parts]), [t for part in parts for t in part.truncated],
             [k for part in parts for k in part.keys], torch.cat([part.signal for part in parts]),
+            [w for part in parts for w in part.wrote],
         )  # fmt: skip
 
     def groups(self, chosen: list[int], generations: int) -> list[tuple]:
@@ -42,7 +45,7 @@ class Sampled:
         for g in chosen:
             rows = slice(g * generations, (g + 1) * generations)
             out.append((self.prompts[rows], self.completions[rows], self.per_function[rows], self.truncated[rows],
-                        self.keys[g], bool(self.signal[g])))  # fmt: skip
+                        self.keys[g], bool(self.signal[g]), self.wrote[rows]))  # fmt: skip
         return out
 
     @staticmethod
@@ -50,7 +53,7 @@ class Sampled:
         return Sampled(
             [p for g in groups for p in g[0]], [c for g in groups for c in g[1]],
             torch.cat([g[2] for g in groups]), [t for g in groups for t in g[3]], [g[4] for g in groups],
-            torch.tensor([g[5] for g in groups]),
+            torch.tensor([g[5] for g in groups]), [w for g in groups for w in g[6]],
         )  # fmt: skip
 
 

@@ -13,6 +13,10 @@ from accelerate import Accelerator
 
 from finetune.objectives.policy_loss import TokenLosses
 
+EPISODE_COUNTS = ("turns", "calls", "error", "unknown", "timeout", "unread")
+"""What an episode counts (`finetune.rollouts.episodes.Episode.counts`): its model turns, tool calls, calls that
+failed (`error`: the tool raised or was misused; `unknown`: no such tool; `timeout`), calls begun and not read."""
+
 _BASE = 11
 """The window's sums before the reward functions' (see `RolloutWindow.__post_init__`)."""
 
@@ -26,6 +30,9 @@ class RolloutWindow:
     longest: float = 0.0
     loss_sums: torch.Tensor | None = None
     """The losses' token counts, on the device they are computed on: summed there, read once per log."""
+    episodes: torch.Tensor = field(default_factory=lambda: torch.zeros(len(EPISODE_COUNTS) + 3, dtype=torch.float64))
+    """Agents' episodes: how many, then the sums of their `EPISODE_COUNTS`, and those cut at the budget and at
+    rl.max_turns."""
     generating_seconds: float = 0.0
     """Wall time this process spent generating, and the rollouts it generated, since the last log."""
     rollouts: int = 0
@@ -58,6 +65,12 @@ class RolloutWindow:
         step ran out of rounds before every trained group had signal."""
         self.sums[8:_BASE] += torch.tensor([trained, dropped, trained * unfilled], dtype=torch.float64)
 
+    def add_episodes(self, counts: list[dict[str, int]], ends: list[str]) -> None:
+        """A rollout's episodes: their counts and how they ended (`finetune.rollouts.episodes.ENDS`)."""
+        values = [len(counts)] + [sum(c[name] for c in counts) for name in EPISODE_COUNTS]
+        values += [ends.count("length"), ends.count("turns")]
+        self.episodes += torch.tensor(values, dtype=torch.float64)
+
     def add_losses(self, mask: torch.Tensor, losses: TokenLosses) -> None:
         kl = (losses.kl * mask).sum() if losses.kl is not None else mask.new_zeros(())
         values = torch.stack([mask.sum(), (losses.low_clipped * mask).sum(), (losses.high_clipped * mask).sum(), kl])
@@ -67,7 +80,9 @@ class RolloutWindow:
     def metrics(self, accelerator: Accelerator, beta: float) -> dict[str, float]:
         device = accelerator.device
         losses = self.loss_sums if self.loss_sums is not None else torch.zeros(4, dtype=torch.float64, device=device)
-        sums = accelerator.reduce(torch.cat([self.sums.to(device), losses.to(device)]), "sum").cpu().tolist()
+        together = torch.cat([self.sums.to(device), self.episodes.to(device), losses.to(device)])
+        sums = accelerator.reduce(together, "sum").cpu().tolist()
+        episodes = sums[len(self.sums) : len(self.sums) + len(self.episodes)]
         # The longest completion, and the slowest process's generation (the others wait for it).
         most = torch.tensor([self.longest, self.generating_seconds], device=device, dtype=torch.float64)
         if accelerator.num_processes > 1:
@@ -75,6 +90,7 @@ class RolloutWindow:
         longest, seconds = most.tolist()
         rollouts = self.rollouts
         self.sums.zero_()
+        self.episodes.zero_()
         self.longest, self.loss_sums, self.generating_seconds, self.rollouts = 0.0, None, 0.0, 0
         completions, tokens, truncated, groups, equal, total, squares, scored, trained, dropped, short = sums[:_BASE]
         values = {}
@@ -104,6 +120,8 @@ class RolloutWindow:
                 continue
             values[f"rewards/{name}/mean"] = function_total / function_scored
             values[f"rewards/{name}/std"] = _std(function_scored, function_total, function_squares)
+        if episodes[0]:
+            values |= _episode_metrics(*episodes)
         trained, low, high, kl = sums[-4:]
         values |= {
             "clip_ratio/low_mean": low / max(trained, 1), "clip_ratio/high_mean": high / max(trained, 1),
@@ -112,6 +130,27 @@ class RolloutWindow:
         if beta:
             values["kl"] = kl / max(trained, 1)
         return values
+
+
+def _episode_metrics(
+    episodes: float,
+    turns: float,
+    calls: float,
+    error: float,
+    unknown: float,
+    timeout: float,
+    unread: float,
+    cut: float,
+    at_max_turns: float,
+) -> dict[str, float]:
+    """What the log says of agents' episodes, under TRL's names where TRL has one (`tools/...`)."""
+    return {
+        "tools/call_frequency": calls / episodes,
+        "tools/failure_frequency": (error + unknown + timeout) / max(calls, 1),
+        "tools/unknown_frequency": unknown / max(calls, 1), "tools/timeout_frequency": timeout / max(calls, 1),
+        "episodes/turns": turns / episodes, "episodes/unread_calls": unread / episodes,
+        "episodes/cut_ratio": cut / episodes, "episodes/max_turns_ratio": at_max_turns / episodes,
+    }  # fmt: skip
 
 
 def _warnings(completions: float, truncated: float, groups: float, no_signal: float, unfilled: float) -> list[str]:

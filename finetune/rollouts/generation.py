@@ -133,7 +133,7 @@ def row_noise(seeds: Sequence[Sequence[int]], length: int) -> torch.Tensor:
     return torch.from_numpy(numpy.stack([numpy.random.default_rng(list(seed)).random(length) for seed in seeds]))
 
 
-def _drawn(
+def drawn(
     scores: torch.Tensor, noise: torch.Tensor, sampling: Sampling, top_p: TopPLogitsWarper | None
 ) -> torch.Tensor:
     """(rows, 1) each row's next token: the first whose cumulative probability (after temperature and top-p)
@@ -157,7 +157,7 @@ class _InverseTransform(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         position = input_ids.shape[1] - self.prompt_width
-        token = _drawn(scores, self.sampling.noise[:, position : position + 1], self.sampling, self.top_p)
+        token = drawn(scores, self.sampling.noise[:, position : position + 1], self.sampling, self.top_p)
         return torch.full_like(scores, -torch.inf).scatter_(1, token, 0.0)
 
 
@@ -195,7 +195,7 @@ def complete(
         # An adapter model's forward only hands its arguments to its base model (adapters inside): the base's is
         # the forward compiled, without the wrapper's context managers.
         base = _without_adapter_wrapper(generator)
-        prefix = _shared_prompts_cache(base, input_ids, mask, group, shared_only=False)
+        prefix = shared_prompts_cache(base, input_ids, mask, group, shared_only=False)
         rows = static.decode(base, input_ids, mask, prefix, stops, max_new_tokens, _picker(sampling), synced)
     elif decodes_itself(generator) and not reference:
         rows = _decoded(generator, input_ids, mask, stops, max_new_tokens, sampling, synced, group)
@@ -204,7 +204,7 @@ def complete(
         settings = GenerationConfig(
             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops, pad_token_id=pad, use_cache=True
         )
-        cache = _shared_prompts_cache(generator, input_ids, mask, group)
+        cache = shared_prompts_cache(generator, input_ids, mask, group)
         output = generator.generate(
             input_ids=input_ids, attention_mask=mask, generation_config=settings, logits_processor=processors,
             synced_gpus=synced, **({"past_key_values": cache} if cache else {}),
@@ -277,7 +277,7 @@ def _decoded(
     run the same number of forwards, a process whose rows have all ended decoding one of them, unrecorded."""
     rows = input_ids.shape[0]
     device = input_ids.device
-    cache = _shared_prompts_cache(model, input_ids, mask, group) or DynamicCache(config=model.config)
+    cache = shared_prompts_cache(model, input_ids, mask, group) or DynamicCache(config=model.config)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
     seen = cache.get_seq_length()  # the prompts' shared part, already in the cache
     step_ids, step_positions, attention = input_ids[:, seen:], positions[:, seen:], mask
@@ -318,14 +318,14 @@ def _decoded(
 
 def _picker(sampling: Sampling | None) -> Pick:
     """How a decoding loop picks each row's next token from its logits: the likeliest, or drawn with the row's
-    noise for that position (`_drawn`)."""
+    noise for that position (`drawn`)."""
     if sampling is None:
         return lambda logits, rows, t: logits.float().argmax(dim=-1, keepdim=True)
     top_p = TopPLogitsWarper(sampling.top_p) if sampling.top_p < 1 else None
-    return lambda logits, rows, t: _drawn(logits, sampling.noise[rows, t : t + 1], sampling, top_p)
+    return lambda logits, rows, t: drawn(logits, sampling.noise[rows, t : t + 1], sampling, top_p)
 
 
-def _shared_prompts_cache(
+def shared_prompts_cache(
     model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, group: int, shared_only: bool = True
 ) -> DynamicCache | None:
     """The KV cache of the prompts but their last token, computed once per `group` of equal rows and repeated for

@@ -48,6 +48,19 @@ class Reward:
     """The data column a built-in reads, checked against the data."""
 
 
+ENVIRONMENT_REWARDS = "environment_rewards"
+"""The keyword an episode's environment reward (its `get_reward`) reaches the reward functions by."""
+
+
+def environment_reward(name: str) -> Reward:
+    """The environments' own reward (agents'), named after their class, with weight 1 as TRL gives it."""
+
+    def environment(**columns: Any) -> list[float | None]:
+        return columns[ENVIRONMENT_REWARDS]
+
+    return Reward(name, 1.0, environment, None)
+
+
 def build_rewards(configs: list[RewardConfig], max_new_tokens: int | None = None) -> list[Reward]:
     """The recipe's rewards, imported and checked (one message naming the fix for each kind of mistake);
     `max_new_tokens`, the completions' limit, is what `overlong` measures against."""
@@ -176,9 +189,11 @@ def _shown(value: Any) -> str:
 
 
 def completion_text(completion: Any) -> str:
-    """A completion's text, whether given as text or as an assistant message."""
+    """A completion's text, whether given as text or as messages: the last assistant message's (an episode's
+    final answer)."""
     if isinstance(completion, list):
-        return "".join(str(message.get("content") or "") for message in completion if isinstance(message, dict))
+        replies = [m for m in completion if isinstance(m, dict) and m.get("role", "assistant") == "assistant"]
+        return str(replies[-1].get("content") or "") if replies else ""
     return str(completion)
 
 
