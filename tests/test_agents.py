@@ -3,6 +3,8 @@ environments run with timeouts and counted errors, GRPO over episodes the same o
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -10,6 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import REPO, LaunchedRun, launch
+from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaConfig
 
 from finetune.data.chat.tokens import encode_chats
@@ -235,3 +239,124 @@ def test_a_template_without_tool_calls_is_refused_naming_what_it_lacks(demo_asse
     tokenizer = AutoTokenizer.from_pretrained(demo_assets / "base")  # the SFT demo's template renders no calls
     with pytest.raises(FinetuneError, match="the chat template writes no tool calls.*data.chat_template"):
         tool_template(tokenizer)
+
+
+AGENT_SFT, AGENT_GRPO = (REPO / "recipes" / "demo" / f"agent_{name}.yaml" for name in ("sft", "grpo"))
+ENVIRONMENT = '''
+from finetune.run.demo_agent import lookup as stored
+
+
+class Lists:
+    """A shelf of lists: its one tool looks a list up; it rewards an episode that looked up the prompt's own."""
+
+    def reset(self, prompt, answer, **row):
+        self.key = prompt[-1]["content"].split(" ", 2)[2]
+        self.found = False
+        self.closed = False
+
+    def lookup(self, key: str) -> str:
+        """The list of digits stored under a key.
+
+        Args:
+            key: The list's key, its digits apart (for example "5 1 6").
+        """
+        self.found = self.found or key == self.key
+        return stored(key)
+
+    def get_reward(self) -> float:
+        return 0.5 if self.found else 0.0
+
+    def close(self):
+        self.closed = True
+'''
+
+
+@pytest.fixture(scope="module")
+def agent_assets(tmp_path_factory) -> tuple[Path, Path, dict]:
+    """The agent demo's data and model after a short SFT (it calls the tool, and solves some lists), and the
+    environment module on the launched processes' path."""
+    from finetune.run import demo_agent
+
+    root = tmp_path_factory.mktemp("agent")
+    demo_agent.build(str(root))
+    (root / "shelf.py").write_text(ENVIRONMENT)
+    data = root / "agent" / "data"
+    overrides = [
+        f"model.name_or_path={root / 'agent' / 'base'}", f"data.train_path={data / 'sft_train.jsonl'}",
+        f"data.eval_path={data / 'sft_eval.jsonl'}", f"output.dir={root / 'sft'}", "train.max_steps=200",
+        "train.eval_every_steps=0",
+    ]  # fmt: skip
+    result = launch("fsdp2_full_shard.yaml", overrides, recipe=AGENT_SFT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    return root, root / "sft" / "final", env
+
+
+def _agent_grpo(
+    assets, name: str, processes: int, output_dir: Path | None = None, config: str | None = None, **extra
+) -> LaunchedRun:
+    root, model, env = assets
+    data = root / "agent" / "data"
+    values = {
+        "model.name_or_path": model, "data.train_path": data / "prompts_train.jsonl",
+        "data.eval_path": data / "prompts_eval.jsonl", "output.dir": output_dir or root / name,
+        "output.trackers": "[]",
+        "rl.tools": "[]", "rl.environment_factory": "shelf:Lists", "train.max_steps": 4, "train.eval_every_steps": 4,
+        "train.log_every_steps": 1, "optim.warmup_steps": 0, "train.global_batch_size": 8,
+        "train.micro_batch_size": 4, "rl.num_generations": 4, "rl.max_new_tokens": 48,
+        "checkpoint.save_every_steps": 2, "optim.lr": 1e-3, **extra,
+    }  # fmt: skip
+    config = config or ("single_gpu.yaml" if processes == 1 else "fsdp2_full_shard.yaml")
+    overrides = [f"{key}={value}" for key, value in values.items()]
+    result = launch(config, overrides, num_processes=processes, recipe=AGENT_GRPO, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return LaunchedRun(result, values["output.dir"])
+
+
+@pytest.fixture(scope="module")
+def agent_runs(agent_assets) -> tuple[LaunchedRun, LaunchedRun]:
+    return _agent_grpo(agent_assets, "one", 1), _agent_grpo(agent_assets, "two", 2)
+
+
+def _per_step(run: LaunchedRun) -> dict[int, dict[str, float]]:
+    timed = ("tokens_per_second", "step_seconds", "step", "fill")
+    return {
+        m["step"]: {k: v for k, v in m.items() if k not in timed and not k.startswith("generation/")}
+        for m in run.metrics()
+        if "loss" in m
+    }
+
+
+@pytest.mark.multiprocess
+def test_episodes_sample_and_train_the_same_on_one_process_and_two(agent_runs):
+    """Episodes that call an environment's tool, rewarded by the data and by the environment: every logged value
+    and the weights the same on 1 and 2 processes (the processes' episodes take different numbers of turns, in
+    lock-step under FSDP2)."""
+    one, two = agent_runs
+    steps = _per_step(one)
+    assert sorted(steps) == [1, 2, 3, 4]
+    for step, values in _per_step(two).items():
+        assert values == pytest.approx(steps[step], rel=1e-4, abs=1e-6), step
+    first = steps[1]
+    assert first["tools/call_frequency"] > 0.5 and first["episodes/turns"] > 1.5  # the SFT model calls the tool
+    assert first["rewards/Lists/mean"] > 0 and "rewards/exact_match/mean" in first  # the environment's reward
+    assert 0 <= first["tools/failure_frequency"] < 1 and "episodes/cut_ratio" in first
+    weights = [load_file(run.output_dir / "final" / "model.safetensors") for run in agent_runs]
+    assert max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[0]) < 1e-5
+    evaluated = [[m for m in run.metrics() if "eval_reward" in m] for run in agent_runs]
+    assert len(evaluated[0]) == len(evaluated[1]) == 1 and evaluated[0][0] == pytest.approx(evaluated[1][0])
+    assert "agents: tool calls: calls as JSON objects" in two.log and "'<|tool|>RESULT<|end|><|assistant|>'" in two.log
+
+
+@pytest.mark.multiprocess
+def test_episodes_resume_mid_run_exactly_on_another_process_count(agent_runs, agent_assets, tmp_path):
+    _, two = agent_runs
+    output_dir = tmp_path / "out"
+    shutil.copytree(two.output_dir / "checkpoints" / "step_2", output_dir / "checkpoints" / "step_2")
+    resumed = _agent_grpo(agent_assets, "", 1, output_dir, "fsdp2_full_shard.yaml", **{"checkpoint.resume": "auto"})
+    expected = _per_step(two)
+    assert sorted(_per_step(resumed)) == [3, 4]
+    for step, values in _per_step(resumed).items():
+        assert values == pytest.approx(expected[step], rel=1e-4, abs=1e-6), step
+    final, wanted = (load_file(run.output_dir / "final" / "model.safetensors") for run in (resumed, two))
+    assert max((final[k] - wanted[k]).abs().max().item() for k in final) < 1e-5

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from finetune.errors import FinetuneError
 
-NUM_TRACES, NUM_DIRECT, NUM_PROMPTS, NUM_EVAL, NUM_TEST = 400, 3000, 4000, 64, 200
+NUM_TRACES, NUM_DIRECT, NUM_PROMPTS, NUM_EVAL, NUM_TEST = 1000, 3000, 4000, 64, 200
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|call|>"]
 # Tools are listed by name in a system turn; each call is a JSON object after <|call|>; a result is a tool turn.
 TEMPLATE = (
