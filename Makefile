@@ -104,6 +104,22 @@ demo-distill: $(STAMP) ## distillation on the demo: the trained model teaches a 
 	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run-distill \
 		--before $(DEMO_DIR)/run-student-sft/final
 
+# Agents on the demo (finetune/run/demo_agent.py): lists stored under keys the model must look up with a tool
+# before reversing them; SFT on tool-using traces (recipes/demo/agent_sft.yaml), then GRPO over episodes that call
+# the tool (recipes/demo/agent_grpo.yaml); the report plays the 200 held-out prompts as episodes before and after.
+AGENT_DIR = $(DEMO_DIR)/agent
+DEMO_AGENT := model.name_or_path=$(AGENT_DIR)/run-sft/final data.train_path=$(AGENT_DIR)/data/prompts_train.jsonl \
+	data.eval_path=$(AGENT_DIR)/data/prompts_eval.jsonl output.dir=$(AGENT_DIR)/run-grpo
+demo-agent: $(STAMP) ## agents on the demo: SFT on tool-using traces, then GRPO over episodes that call the tool; report
+	$(OFFLINE) $(PY) -m finetune demo build-agent --dir $(DEMO_DIR)
+	@test -f $(AGENT_DIR)/run-sft/final/config.json || $(MAKE) --no-print-directory train-tiny \
+		DEMO_RECIPE=recipes/demo/agent_sft.yaml ARGS="model.name_or_path=$(AGENT_DIR)/base \
+		data.train_path=$(AGENT_DIR)/data/sft_train.jsonl data.eval_path=$(AGENT_DIR)/data/sft_eval.jsonl \
+		output.dir=$(AGENT_DIR)/run-sft"
+	$(MAKE) --no-print-directory train-tiny DEMO_RECIPE=recipes/demo/agent_grpo.yaml ARGS="$(DEMO_AGENT) $(ARGS)"
+	$(OFFLINE) $(PY) -m finetune demo report-agent --dir $(DEMO_DIR) --run $(AGENT_DIR)/run-grpo \
+		--before $(AGENT_DIR)/run-sft/final
+
 # The demo model is tiny, so it trains in fp32 on any hardware (--mixed_precision no).
 train-tiny: $(STAMP) ## train the demo recipe (after `finetune demo build`)
 	$(OFFLINE) $(ACCELERATE) launch --config_file $(CONFIG) --num_processes $(NUM_PROCESSES) --mixed_precision no \

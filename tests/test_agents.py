@@ -283,7 +283,7 @@ def agent_assets(tmp_path_factory) -> tuple[Path, Path, dict]:
     data = root / "agent" / "data"
     overrides = [
         f"model.name_or_path={root / 'agent' / 'base'}", f"data.train_path={data / 'sft_train.jsonl'}",
-        f"data.eval_path={data / 'sft_eval.jsonl'}", f"output.dir={root / 'sft'}", "train.max_steps=200",
+        f"data.eval_path={data / 'sft_eval.jsonl'}", f"output.dir={root / 'sft'}", "train.max_steps=150",
         "train.eval_every_steps=0",
     ]  # fmt: skip
     result = launch("fsdp2_full_shard.yaml", overrides, recipe=AGENT_SFT)
@@ -360,3 +360,20 @@ def test_episodes_resume_mid_run_exactly_on_another_process_count(agent_runs, ag
         assert values == pytest.approx(expected[step], rel=1e-4, abs=1e-6), step
     final, wanted = (load_file(run.output_dir / "final" / "model.safetensors") for run in (resumed, two))
     assert max((final[k] - wanted[k]).abs().max().item() for k in final) < 1e-5
+
+
+def test_check_prints_the_call_format_and_the_result_text_it_learnt(tmp_path, capsys):
+    """A user sees before training whether their model's calls will be read, and what a result reads like."""
+    from finetune.cli import main
+    from finetune.run import demo_agent
+
+    demo_agent.build(str(tmp_path))
+    data = tmp_path / "agent" / "data"
+    code = main([
+        "check", "--config", str(REPO / "accelerate_configs" / "fsdp2_full_shard.yaml"), str(AGENT_GRPO),
+        f"model.name_or_path={tmp_path / 'agent' / 'base'}", f"data.train_path={data / 'prompts_train.jsonl'}",
+        f"data.eval_path={data / 'prompts_eval.jsonl'}",
+    ])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0 and 'tool calls: calls as JSON objects {"name": NAME, "arguments": {...}} after' in out
+    assert "a result reads '<|tool|>RESULT<|end|><|assistant|>'" in out and "otherwise" not in out

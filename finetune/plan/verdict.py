@@ -316,4 +316,14 @@ def _template_line(recipe: RecipeConfig) -> str:
 
     if model_folder(recipe.model.name_or_path) is None:
         return "chat template: not checked (the tokenizer of model.name_or_path is not on this machine yet)"
-    return probe_template(load_tokenizer(recipe.model, recipe.data.chat_template))
+    tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
+    line = probe_template(tokenizer)
+    if recipe.rl is not None and recipe.rl.agents:  # how episodes will read calls and answer them
+        from finetune.rollouts.tool_calls import tool_template
+
+        template = tool_template(tokenizer)
+        line += f"\n{template.describe()}"
+        difference = template.history_difference()
+        if difference is not None:
+            line += f"\n  the history renders finished turns otherwise ({difference}): episodes keep what was read"
+    return line
