@@ -51,10 +51,13 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-* && touch $@
 endif
 
+# The SFT demo's paths under DEMO_DIR (the recipe's own are outputs/demo's).
+DEMO_SFT := data.train_path=$(DEMO_DIR)/data/train.jsonl data.eval_path=$(DEMO_DIR)/data/eval.jsonl
 demo: $(STAMP) ## offline demo: build a tiny Llama and data, fine-tune with FSDP2, export, compare
 	$(OFFLINE) $(PY) -m finetune demo build --dir $(DEMO_DIR)
-	$(MAKE) --no-print-directory train-tiny
-	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR)
+	$(MAKE) --no-print-directory train-tiny ARGS="model.name_or_path=$(DEMO_DIR)/base $(DEMO_SFT) \
+		output.dir=$(DEMO_DIR)/run $(ARGS)"
+	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run
 
 # The same demo with LoRA instead of full fine-tuning: rank-64 adapters on every linear layer and a
 # trained lm_head (the demo's base is a random init, so the head has to learn the digits), exported as
@@ -83,7 +86,8 @@ DEMO_GRPO := model.name_or_path=$(DEMO_DIR)/run-partial/final data.train_path=$(
 demo-grpo: $(STAMP) ## online RL on the demo: GRPO of a partly trained reverser, rewarded for exact reversals; report
 	$(OFFLINE) $(PY) -m finetune demo build --dir $(DEMO_DIR)
 	@test -f $(DEMO_DIR)/run-partial/final/config.json || $(MAKE) --no-print-directory train-tiny \
-		ARGS="output.dir=$(DEMO_DIR)/run-partial train.max_steps=40 train.eval_every_steps=40"
+		ARGS="model.name_or_path=$(DEMO_DIR)/base $(DEMO_SFT) output.dir=$(DEMO_DIR)/run-partial train.max_steps=40 \
+		train.eval_every_steps=40"
 	$(MAKE) --no-print-directory train-tiny DEMO_RECIPE=recipes/demo/tiny_llama_grpo.yaml ARGS="$(DEMO_GRPO) $(ARGS)"
 	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run-grpo \
 		--before $(DEMO_DIR)/run-partial/final

@@ -142,7 +142,8 @@ class Agent:
         """The model's turn just ended, read: its message recorded, its calls (none where the episode ends)."""
         turn = episode.ids[episode.turn_start :]
         episode.counts["turns"] += 1
-        calls, unread = self.template.calls.read(self.tokenizer.decode(turn, skip_special_tokens=False))
+        written = self.tokenizer.decode(turn, skip_special_tokens=False)
+        calls, unread = self.template.calls.read(written, episode.schemas)
         episode.counts["unread"] += unread
         text = self.tokenizer.decode(turn, skip_special_tokens=True)
         message: dict[str, Any] = {"role": "assistant", "content": text}

@@ -31,7 +31,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from finetune.data.chat.templates import SENTINEL, template_shape
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, first_line
 
 _PROBE_TOOL = {"type": "function", "function": {"name": "lookup", "description": "Look a word up.", "parameters": {
     "type": "object", "properties": {"word": {"type": "string", "description": "The word."}},
@@ -40,6 +40,10 @@ _CHECK_TOOL = {"type": "function", "function": {"name": "get_weather", "descript
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city."},
     "days": {"type": "integer", "description": "How many days."}}, "required": ["city", "days"]}}}  # fmt: skip
 _PROBES = [("lookup", {"word": "qzvprobe"}), ("lookup", {"word": "qzvprobf"})]
+_PAIRED_TOOL = {"type": "function", "function": {"name": "lookup", "description": "Look a word up.", "parameters": {
+    "type": "object", "properties": {"word": {"type": "string", "description": "The word."}, "lang": {"type": "string",
+    "description": "Its language."}}, "required": ["word", "lang"]}}}  # fmt: skip
+_PAIRED = [("lookup", {"word": "qzvprobe", "lang": "qzvprobl"}), ("lookup", {"word": "qzvprobf", "lang": "qzvprobm"})]
 _CHECKS = [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Rome", "days": 12})]
 
 
@@ -58,21 +62,31 @@ class CallFormat:
     """How one template's calls are read back (see the module's docstring)."""
 
     how: str
-    """`parser`, `object` or `named`."""
+    """`parser`, `object`, `named` or `parameters`."""
     opener: str = ""
     """What the template writes before each call (`object`: before its JSON object; `named`: before its name)."""
     name_key: str = "name"
     arguments_key: str = "arguments"
     after_name: str = ""
-    """`named`: what comes between a call's name and its arguments' JSON object, as a regular expression."""
+    """`named`: what comes between a call's name and its arguments' JSON object, as a regular expression;
+    `parameters`: what follows the name before its first argument."""
+    key_open: str = ""
+    """`parameters`: what precedes each argument's name; `key_value` between it and its value, `value_close` after
+    the value."""
+    key_value: str = ""
+    value_close: str = ""
     parser: Callable[[str], list[dict[str, Any]]] | None = None
 
-    def read(self, text: str) -> tuple[list[Call], int]:
-        """The calls in a model's turn, and how many more it began (its opener written) that could not be read."""
+    def read(self, text: str, schemas: list[dict[str, Any]] | None = None) -> tuple[list[Call], int]:
+        """The calls in a model's turn, and how many more it began (its opener written) that could not be read.
+        `schemas`: the tools offered, whose parameter types give `parameters` calls' values their JSON types."""
         if self.parser is not None:
             calls = [_call_of(call.get("function", call), "name", "arguments") for call in self.parser(text)]
             return [c for c in calls if c is not None], 0
-        calls = list(self._objects(text) if self.how == "object" else self._named(text))
+        if self.how == "parameters":
+            calls = list(self._parameters(text, _parameter_types(schemas or [])))
+        else:
+            calls = list(self._objects(text) if self.how == "object" else self._named(text))
         begun = text.count(self.opener) if self.opener.strip() else len(calls)
         return calls, max(0, begun - len(calls))
 
@@ -90,6 +104,22 @@ class CallFormat:
                 continue
             yield Call(match.group(1), *_as_arguments(arguments))
 
+    def _parameters(self, text: str, types: dict[tuple[str, str], str]) -> Iterator[Call]:
+        pattern = re.compile(re.escape(self.opener) + r"([A-Za-z_][\w.\-]*)" + re.escape(self.after_name))
+        for match in pattern.finditer(text):
+            arguments: dict[str, Any] = {}
+            at = match.end()
+            while text.startswith(self.key_open, at):
+                key_end = text.find(self.key_value, at + len(self.key_open))
+                value_end = text.find(self.value_close, key_end + len(self.key_value)) if key_end >= 0 else -1
+                if value_end < 0:
+                    break
+                key = text[at + len(self.key_open) : key_end]
+                value = text[key_end + len(self.key_value) : value_end]
+                arguments[key] = _typed(value, types.get((match.group(1), key)))
+                at = value_end + len(self.value_close)
+            yield Call(match.group(1), arguments)
+
     def describe(self) -> str:
         """The format in a line, as `finetune check` prints it."""
         if self.how == "parser":
@@ -100,7 +130,32 @@ class CallFormat:
                 keys = "NAME: {...}"
             opener = self.opener.strip()
             return f"calls as JSON objects {{{keys}}}" + (f" after {opener!r}" if opener else "")
+        if self.how == "parameters":
+            return (
+                f"calls as {self.opener!r} NAME {self.after_name!r}, then each argument as {self.key_open!r} KEY "
+                f"{self.key_value!r} VALUE {self.value_close!r}"
+            )
         return f"calls as {self.opener!r} NAME /{self.after_name}/ {{arguments as JSON}}"
+
+
+def _parameter_types(schemas: list[dict[str, Any]]) -> dict[tuple[str, str], str]:
+    """(tool, argument) -> the argument's JSON type, from the tools' schemas."""
+    types = {}
+    for schema in schemas:
+        function = schema.get("function", schema)
+        for key, spec in ((function.get("parameters") or {}).get("properties") or {}).items():
+            types[function.get("name"), key] = spec.get("type") if isinstance(spec, dict) else None
+    return types
+
+
+def _typed(value: str, kind: str | None) -> Any:
+    """An argument written as text, as its schema's type has it (JSON for anything but a string)."""
+    if kind in (None, "string"):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
 
 
 def _json_values(text: str) -> Iterator[Any]:
@@ -200,6 +255,14 @@ def learn_calls(tokenizer: PreTrainedTokenizerBase) -> CallFormat:
         return CallFormat("parser", parser=parsed)
     probe = _rendered_calls(tokenizer, _PROBES, _PROBE_TOOL)
     if probe is None:
+        call = {"role": "assistant", "content": "", "tool_calls": probe_calls(_PROBES[:1])}
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "q"}, call], tools=[_PROBE_TOOL])
+        except Exception as exc:  # the template's own error, which says what it lacks
+            raise FinetuneError(
+                f"rl.tools: the chat template cannot render a turn of tool calls ({type(exc).__name__}: "
+                f"{first_line(exc)}); set data.chat_template to a template that renders tool calls"
+            ) from None
         raise FinetuneError(
             "rl.tools: the chat template writes no tool calls (an assistant message's tool_calls rendered with its "
             "tools leave no trace); set data.chat_template to a template that renders tool calls"
@@ -207,9 +270,12 @@ def learn_calls(tokenizer: PreTrainedTokenizerBase) -> CallFormat:
     text, count = probe
     markers = tuple(t for t in {*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()} if t.strip())
     found = _as_object(text, count, markers) or _as_named(text, count, markers)
+    paired = _rendered_calls(tokenizer, _PAIRED, _PAIRED_TOOL) if found is None else None
+    if paired is not None:
+        found = _as_parameters(*paired, markers)
     check = _rendered_calls(tokenizer, _CHECKS, _CHECK_TOOL)
     if found is not None and check is not None:
-        calls, _ = found.read(check[0])
+        calls, _ = found.read(check[0], [_CHECK_TOOL])
         expected = [Call(name, arguments) for name, arguments in _CHECKS[: check[1]]]
         if calls == expected:
             return found
@@ -293,6 +359,37 @@ def _as_named(text: str, count: int, markers: tuple[str, ...]) -> CallFormat | N
     return CallFormat("named", _opener(openers, markers), after_name=after)
 
 
+def _as_parameters(text: str, count: int, markers: tuple[str, ...]) -> CallFormat | None:
+    """The `parameters` format, if each probe call is its name after a fixed text, then each argument its key and
+    value between fixed texts (two arguments a call tell the texts apart)."""
+    name, calls, search = _PAIRED[0][0], [], 0
+    for _, arguments in _PAIRED[:count]:
+        at = text.find(name, search)
+        if at < 0:
+            return None
+        places = []
+        for key, value in arguments.items():
+            key_at = text.find(key, at)
+            value_at = text.find(value, key_at)
+            if key_at < 0 or value_at < 0:
+                return None
+            places.append((key_at, key_at + len(key), value_at, value_at + len(value)))
+        places.sort()
+        calls.append((at, places))
+        search = places[-1][3]
+    at, ((_, key_end, value_at, value_end), (second_key, _, _, last_end)) = calls[0]
+    after_name, gap = text[at + len(name) : calls[0][1][0][0]], text[value_end:second_key]
+    key_open = os.path.commonprefix([after_name[::-1], gap[::-1]])[::-1]
+    value_close = gap[: len(gap) - len(key_open)]
+    if not key_open or not value_close or not text.startswith(value_close, last_end):
+        return None
+    openers = [text[:at]] + ([text[last_end : calls[1][0]]] if count == 2 else [])
+    return CallFormat(
+        "parameters", _opener(openers, markers), after_name=after_name[: len(after_name) - len(key_open)],
+        key_open=key_open, key_value=text[key_end:value_at], value_close=value_close,
+    )  # fmt: skip
+
+
 def _opener(texts: list[str], markers: tuple[str, ...]) -> str:
     """What precedes every call: the common end of the texts before each (with one call, its text from the last
     line break or marker on), from its first whole marker where it begins inside one, without leading white space."""
@@ -359,12 +456,15 @@ class ToolTemplate:
         result = {"role": "tool", "tool_call_id": "call00001", "name": "lookup", "content": "RESULT"}
         answer = {"role": "assistant", "content": "ANSWER"}
         steps = [([user], [user, call]), ([user, call, result], [user, call, result, answer])]
+        encode = lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
         for acting, finished in steps:
-            read = _render(self.tokenizer, acting, [_PROBE_TOOL], generation=True) or ""
-            history = _render(self.tokenizer, finished, [_PROBE_TOOL]) or ""
-            if not history.startswith(read):
+            # Compared as tokens: a text that is the history's prefix may still be cut into other tokens there.
+            read = encode(_render(self.tokenizer, acting, [_PROBE_TOOL], generation=True) or "")
+            history = encode(_render(self.tokenizer, finished, [_PROBE_TOOL]) or "")
+            if history[: len(read)] != read:
                 at = len(os.path.commonprefix([read, history]))
-                return f"the model reads {read[at : at + 40]!r} where the history writes {history[at : at + 40]!r}"
+                seen, written = (self.tokenizer.decode(ids[at : at + 8]) for ids in (read, history))
+                return f"the model reads {seen!r} where the history writes {written!r}"
         return None
 
     def describe(self) -> str:
