@@ -43,6 +43,16 @@ class LaunchedRun:
     def losses(self) -> list[float]:
         return [m["loss"] for m in self.metrics() if "loss" in m]
 
+    def per_step(self) -> dict[int, dict[str, float]]:
+        """What each step logged of its rollout and update: its speed, padding (which the layout decides) and
+        generation time left out."""
+        timed = ("tokens_per_second", "step_seconds", "step", "fill")
+        return {
+            m["step"]: {k: v for k, v in m.items() if k not in timed and not k.startswith("generation/")}
+            for m in self.metrics()
+            if "loss" in m
+        }
+
     def rank_reports(self) -> list[dict]:
         return [json.loads(p.read_text()) for p in sorted((self.output_dir / "ranks").glob("rank_*.json"))]
 

@@ -3,6 +3,7 @@ environments run with timeouts and counted errors, GRPO over episodes the same o
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -321,24 +322,15 @@ def agent_runs(agent_assets) -> tuple[LaunchedRun, LaunchedRun]:
     return _agent_grpo(agent_assets, "one", 1), _agent_grpo(agent_assets, "two", 2)
 
 
-def _per_step(run: LaunchedRun) -> dict[int, dict[str, float]]:
-    timed = ("tokens_per_second", "step_seconds", "step", "fill")
-    return {
-        m["step"]: {k: v for k, v in m.items() if k not in timed and not k.startswith("generation/")}
-        for m in run.metrics()
-        if "loss" in m
-    }
-
-
 @pytest.mark.multiprocess
 def test_episodes_sample_and_train_the_same_on_one_process_and_two(agent_runs):
     """Episodes that call an environment's tool, rewarded by the data and by the environment: every logged value
     and the weights the same on 1 and 2 processes (the processes' episodes take different numbers of turns, in
     lock-step under FSDP2)."""
     one, two = agent_runs
-    steps = _per_step(one)
+    steps = one.per_step()
     assert sorted(steps) == [1, 2, 3, 4]
-    for step, values in _per_step(two).items():
+    for step, values in two.per_step().items():
         assert values == pytest.approx(steps[step], rel=1e-4, abs=1e-6), step
     first = steps[1]
     assert first["tools/call_frequency"] > 0.5 and first["episodes/turns"] > 1.5  # the SFT model calls the tool
@@ -357,9 +349,9 @@ def test_episodes_resume_mid_run_exactly_on_another_process_count(agent_runs, ag
     output_dir = tmp_path / "out"
     shutil.copytree(two.output_dir / "checkpoints" / "step_2", output_dir / "checkpoints" / "step_2")
     resumed = _agent_grpo(agent_assets, "", 1, output_dir, "fsdp2_full_shard.yaml", **{"checkpoint.resume": "auto"})
-    expected = _per_step(two)
-    assert sorted(_per_step(resumed)) == [3, 4]
-    for step, values in _per_step(resumed).items():
+    expected = two.per_step()
+    assert sorted(resumed.per_step()) == [3, 4]
+    for step, values in resumed.per_step().items():
         assert values == pytest.approx(expected[step], rel=1e-4, abs=1e-6), step
     final, wanted = (load_file(run.output_dir / "final" / "model.safetensors") for run in (resumed, two))
     assert max((final[k] - wanted[k]).abs().max().item() for k in final) < 1e-5
@@ -380,3 +372,79 @@ def test_check_prints_the_call_format_and_the_result_text_it_learnt(tmp_path, ca
     out = capsys.readouterr().out
     assert code == 0 and 'tool calls: calls as JSON objects {"name": NAME, "arguments": {...}} after' in out
     assert "a result reads '<|tool|>RESULT<|end|><|assistant|>'" in out and "otherwise" not in out
+
+
+@pytest.mark.multiprocess
+def test_training_reads_the_log_probabilities_the_episodes_were_sampled_with(agent_assets, monkeypatch):
+    """Episodes sampled with the SFT model (calls, answers, a second turn), then laid out as training lays them
+    (shared rows: a prompt once, its episodes after it): the log-probability training computes for each token the
+    model wrote equals the sampler's, in the context the model sampled it in."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.data.rollout import shared_rows
+    from finetune.engine import shared_attention
+    from finetune.objectives.loss import token_logps
+    from finetune.rollouts import episodes as module
+    from finetune.rollouts.generation import Sampling, row_noise
+
+    root, folder, _ = agent_assets
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tools = load_tools(["finetune.run.demo_agent:lookup"])
+    agent = Agent(tokenizer, tool_template(tokenizer), tools, None, 3, 10.0, [tokenizer.eos_token_id])
+    rows = [json.loads(line) for line in (root / "agent" / "data" / "test.jsonl").read_text().splitlines()[:6]]
+    prompts = [tokenizer.apply_chat_template(r["prompt"], tools=agent.schemas, add_generation_prompt=True,
+                                             tokenize=True, return_dict=False) for r in rows]  # fmt: skip
+    episodes = [Episode(p, {t.name: t for t in tools}, agent.schemas) for p in prompts for _ in range(2)]
+    temperature = 0.7
+    sampled: dict[int, list[float]] = {n: [] for n in range(len(episodes))}
+    picker = module._picker
+
+    def recording(sampling):
+        pick = picker(sampling)
+
+        def recorded(logits, live, places):
+            tokens = pick(logits, live, places)
+            logps = torch.log_softmax(logits.float() / temperature, -1).gather(1, tokens)[:, 0]
+            for row, logp in zip(live.tolist(), logps.tolist(), strict=True):
+                if not episodes[row].end:
+                    sampled[row].append(logp)
+            return tokens
+
+        return recorded
+
+    monkeypatch.setattr(module, "_picker", recording)
+    noise = row_noise([(0, n) for n in range(len(episodes))], 64)
+    with torch.no_grad():
+        play(model, episodes, agent, tokenizer.pad_token_id, 64, Sampling(temperature, 1.0, noise), False, 2)
+    assert sum(e.counts["turns"] >= 2 for e in episodes) >= len(episodes) // 2  # answers read, then a turn more
+    shared_attention.register()
+    model.set_attn_implementation(shared_attention.NAME)
+    layout = shared_rows([e.prompt for e in episodes], [e.ids for e in episodes], 2, tokenizer.pad_token_id)
+    with torch.no_grad():
+        trained = token_logps(model, layout, "chunked", temperature)
+    wrote = torch.tensor([w for e in episodes for w in e.wrote], dtype=torch.bool)
+    expected = torch.tensor([logp for n in range(len(episodes)) for logp in sampled[n]])
+    assert wrote.sum() == len(expected) and (trained[wrote] - expected).abs().max() < 1e-4
+
+
+def test_environments_are_closed_whatever_ends_their_episodes(tmp_path, monkeypatch):
+    (tmp_path / "agent_shelf.py").write_text(
+        "opened = []\n\n\nclass Shelf:\n    def __init__(self):\n        self.closed = False\n"
+        "        opened.append(self)\n\n    def reset(self, answer, **row):\n"
+        "        if answer == 'boom':\n            raise KeyError('no such shelf')\n        self.answer = answer\n\n"
+        "    def get_reward(self) -> float:\n        return float(len(self.answer))\n\n"
+        "    def close(self):\n        self.closed = True\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import agent_shelf
+
+    factory = EnvironmentFactory.load("agent_shelf:Shelf", [])
+    agent = Agent(None, None, [], factory, 2, 1.0, [0])
+    rows = [{"prompt": "a", "answer": "12", "prompt_index": 0}, {"prompt": "b", "answer": "3", "prompt_index": 1}]
+    episodes = agent.begin([[1], [2]], rows, 1)
+    assert agent.end(episodes) == [2.0, 1.0] and all(e.environment.closed for e in episodes)
+    agent_shelf.opened.clear()
+    with pytest.raises(FinetuneError, match=r"reset raised KeyError: 'no such shelf' \(given the prompt's row"):
+        agent.begin([[1], [2]], [rows[0], {**rows[1], "answer": "boom"}], 1)
+    assert len(agent_shelf.opened) == 2 and all(shelf.closed for shelf in agent_shelf.opened)

@@ -475,25 +475,15 @@ def grpo_runs(tmp_path_factory, demo_assets, partly_trained) -> tuple[LaunchedRu
     return one, two
 
 
-def _per_step(run: LaunchedRun) -> dict[int, dict[str, float]]:
-    """What each step logged of its rollout and update (its speed and padding left out)."""
-    timed = ("tokens_per_second", "step_seconds", "step", "fill")  # fill: padding, which the layout decides
-    return {
-        m["step"]: {k: v for k, v in m.items() if k not in timed and not k.startswith("generation/")}
-        for m in run.metrics()
-        if "loss" in m
-    }
-
-
 @pytest.mark.multiprocess
 def test_grpo_samples_and_trains_the_same_on_one_process_and_two(grpo_runs):
     one, two = grpo_runs
-    steps = _per_step(one)
+    steps = one.per_step()
     assert sorted(steps) == [1, 2, 3, 4] and all("reward" in steps[s] for s in (1, 3))  # a rollout every 2 steps
     timed = [m for m in one.metrics() if "generation/seconds" in m]
     assert [m["step"] for m in timed] == [1, 3] and all(m["generation/tokens_per_second"] > 0 for m in timed)
     assert "reward" not in steps[2] and steps[2]["clip_ratio/region_mean"] >= 0  # step 2 trains on step 1's
-    for step, values in _per_step(two).items():  # the same completions, rewards and updates
+    for step, values in two.per_step().items():  # the same completions, rewards and updates
         assert values == pytest.approx(steps[step], rel=1e-4, abs=1e-6), step
     assert 0 < steps[1]["reward"] < 1 and steps[1]["frac_reward_zero_std"] < 1  # rewards vary within groups
     # Dynamic sampling drew more prompts for groups whose rewards tied, the same on both process counts.
@@ -523,9 +513,9 @@ def test_grpo_resumes_between_rollouts_on_another_process_count(grpo_runs, tmp_p
     shutil.copytree(two.output_dir / "checkpoints" / "step_2", output_dir / "checkpoints" / "step_2")
     resumed = _grpo(tmp_path_factory, demo_assets, partly_trained, "", 1, output_dir, "fsdp2_full_shard.yaml",
                     **{"checkpoint.resume": "auto"})  # fmt: skip
-    expected = _per_step(two)
-    assert sorted(_per_step(resumed)) == [3, 4]
-    for step, values in _per_step(resumed).items():
+    expected = two.per_step()
+    assert sorted(resumed.per_step()) == [3, 4]
+    for step, values in resumed.per_step().items():
         assert values == pytest.approx(expected[step], rel=1e-4, abs=1e-6), step
     final, expected = (load_file(run.output_dir / "final" / "model.safetensors") for run in (resumed, two))
     assert max((final[k] - expected[k]).abs().max().item() for k in final) < 1e-5
@@ -545,9 +535,9 @@ def test_grpo_with_adapters_samples_as_the_base_at_first_and_exports(grpo_runs, 
            "train.eval_every_steps": 2, "rl.rollout_cache": "static"},
     )  # fmt: skip
     rollout = ("reward", "reward_std", "completions/mean_length", "frac_reward_zero_std", "rewards/exact_match/mean")
-    first = {name: _per_step(one)[1][name] for name in rollout}
-    assert {name: _per_step(lora)[1][name] for name in rollout} == pytest.approx(first, rel=1e-5)
-    assert _per_step(lora)[2]["kl"] > 0
+    first = {name: one.per_step()[1][name] for name in rollout}
+    assert {name: lora.per_step()[1][name] for name in rollout} == pytest.approx(first, rel=1e-5)
+    assert lora.per_step()[2]["kl"] > 0
     assert (lora.output_dir / "final" / "adapter_config.json").exists()
     assert (lora.output_dir / "final_merged" / "model.safetensors").exists()
 

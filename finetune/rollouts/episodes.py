@@ -95,15 +95,20 @@ class Agent:
     def begin(self, prompts: list[list[int]], rows: list[dict[str, Any]], group: int) -> list[Episode]:
         """An episode per prompt (each `group` in a row alike), its environment reset with its row: the prompt
         re-rendered with the text reset returns (the same for every episode of a prompt, which share it)."""
-        episodes = []
-        for ids, row in zip(prompts, rows, strict=True):
-            tools = {tool.name: tool for tool in self.tools}
-            instance, text = (None, None) if self.environment is None else self.environment.started(row)
-            if instance is not None:
-                tools |= {tool.name: tool for tool in self.environment.tools(instance)}
-            if text:
-                ids = observed_prompt(row, text, self.tokenizer, self.schemas)
-            episodes.append(Episode(ids, tools, self.schemas, instance))
+        episodes: list[Episode] = []
+        try:
+            for ids, row in zip(prompts, rows, strict=True):
+                tools = {tool.name: tool for tool in self.tools}
+                columns = {name: value for name, value in row.items() if name != "prompt_index"}  # the data's own
+                instance, text = (None, None) if self.environment is None else self.environment.started(columns)
+                episodes.append(Episode(ids, tools, self.schemas, instance))
+                if instance is not None:
+                    tools |= {tool.name: tool for tool in self.environment.tools(instance)}
+                if text:
+                    episodes[-1].prompt = observed_prompt(row, text, self.tokenizer, self.schemas)
+        except BaseException:
+            self.end(episodes)  # those already started are closed
+            raise
         for start in range(0, len(episodes), group):
             if len({tuple(e.prompt) for e in episodes[start : start + group]}) > 1:
                 self.end(episodes)

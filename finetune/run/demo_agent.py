@@ -3,9 +3,10 @@
 The task: "reverse list 4821" — the list is stored under its number, out of the model's sight; the tool
 `lookup(key)` returns it ("3 1 4 1"), and the answer is the list reversed ("1 4 1 3"). Without the tool the model
 can only guess. `build` writes, offline, a base model and tokenizer (a chat template of our own that renders tool
-calls as `<|call|>{"name": ..., "arguments": {...}}` and results as a `tool` turn), SFT data (a handful of
-tool-using traces among lists reversed without a tool: the model learns the skill, the call format and partly
-their combination), and prompts with their answers for GRPO over episodes.
+calls as `<|call|>{"name": ..., "arguments": {...}}` and results as a `tool` turn), SFT data (tool-using traces
+among lists reversed without a tool: the model learns the skill, the call format and partly their combination;
+the traces' tool results are lists of their own, so that reading the result is the only way to answer them, never
+the key learnt by heart), and prompts with their answers for GRPO over episodes.
 `report` plays the held-out prompts greedily as episodes (the same loop as training's, on one process) with a
 model before and after, and prints `N/200` solved and the share of tool calls that were valid.
 """
@@ -52,14 +53,17 @@ def lookup(key: str) -> str:
     return " ".join(stored_list(" ".join(key.split())))
 
 
-def _trace(key: str) -> list[dict]:
-    """A conversation that solves the task: the call, its result, the answer."""
+def _trace(key: str, rng: random.Random) -> list[dict]:
+    """A conversation that solves the task: the call, its result, the answer. Recorded on another shelf: the list
+    the tool returned is not the one `lookup` stores under the key (a model could learn the shelf by heart from
+    the traces, instead of reading what the tool returns)."""
     call = {"type": "function", "function": {"name": "lookup", "arguments": {"key": key}}}
+    digits = [str(rng.randrange(10)) for _ in range(rng.randint(3, 6))]
     return [
         {"role": "user", "content": f"reverse list {key}"},
         {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "name": "lookup", "content": lookup(key)},
-        {"role": "assistant", "content": " ".join(reversed(stored_list(key)))},
+        {"role": "tool", "name": "lookup", "content": " ".join(digits)},
+        {"role": "assistant", "content": " ".join(reversed(digits))},
     ]
 
 
@@ -94,11 +98,11 @@ def build(workdir: str) -> None:
     tools = [_tool_schema()]
     rng = random.Random(99)
     direct = [{"messages": _direct(rng), "tools": None} for _ in range(NUM_DIRECT)]
-    sft = [{"messages": _trace(k), "tools": tools} for k in traces] + direct
+    sft = [{"messages": _trace(k, rng), "tools": tools} for k in traces] + direct
     rng.shuffle(sft)
     files = {
         "sft_train": sft,
-        "sft_eval": [{"messages": _trace(k), "tools": tools} for k in evaluation],
+        "sft_eval": [{"messages": _trace(k, rng), "tools": tools} for k in evaluation],
         "prompts_train": [_prompt(k) for k in prompts],
         "prompts_eval": [_prompt(k) for k in evaluation],
         "test": [_prompt(k) for k in test],
