@@ -186,15 +186,17 @@ def report(workdir: str, run: str, before: str) -> None:
             f"   {sum(e.counts['turns'] for e in episodes) / len(episodes):.2f} turns an episode"
         )
         if label == "after":
-            examples = [
-                (r["prompt"][0]["content"], r["answer"], e.messages)
-                for e, r in zip(episodes[:3], rows[:3], strict=False)
-            ]
+            examples = list(zip(rows[:3], episodes[:3], strict=True))
     print(f"\nheld-out prompts: {len(rows)} lists never seen in training, played as episodes (greedy)\n")
     print("\n".join(lines))
     print("\nexamples (after):")
-    for prompt, answer, messages in examples:
-        print(f"  {prompt!r} -> {json.dumps(messages)[:160]} (expected {answer!r})")
+    for row, episode in examples:
+        calls = [c["function"] for m in episode.messages for c in m.get("tool_calls") or []]
+        results = [m["content"] for m in episode.messages if m["role"] == "tool"]
+        pairs = zip(calls, results, strict=False)  # a call the episode's budget cut has no result
+        called = ", ".join(f"{c['name']}({json.dumps(c['arguments'])}) -> {r!r}" for c, r in pairs)
+        mark = "ok " if _final(episode) == row["answer"] else "bad"
+        print(f"  [{mark}] {row['prompt'][0]['content']!r}: {called or 'no call'}; answered {_final(episode)!r}")
 
 
 def _final(episode: object) -> str:
