@@ -448,3 +448,35 @@ def test_environments_are_closed_whatever_ends_their_episodes(tmp_path, monkeypa
     with pytest.raises(FinetuneError, match=r"reset raised KeyError: 'no such shelf' \(given the prompt's row"):
         agent.begin([[1], [2]], [rows[0], {**rows[1], "answer": "boom"}], 1)
     assert len(agent_shelf.opened) == 2 and all(shelf.closed for shelf in agent_shelf.opened)
+
+
+def test_text_an_environment_returns_at_reset_is_appended_to_the_prompt_and_shared_by_its_episodes(tmp_path):
+    """TRL's protocol: reset's text ends the last user message; a group's episodes share their prompt, so text that
+    differs between them is refused, every environment closed."""
+    from finetune.run import demo_agent
+
+    demo_agent.build(str(tmp_path))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "agent" / "base")
+    (tmp_path / "agent_board.py").write_text(
+        "import itertools\ncount = itertools.count()\n\n\nclass Board:\n"
+        "    def reset(self, prompt, seen=False, **row):\n"
+        "        return ' (the board: ' + ('x' if not seen else str(next(count))) + ')'\n\n"
+        "    def close(self):\n        self.closed = True\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        factory = EnvironmentFactory.load("agent_board:Board", [])
+        agent = Agent(tokenizer, tool_template(tokenizer), [], factory, 2, 1.0, [tokenizer.eos_token_id])
+        prompt = [{"role": "user", "content": "reverse list 1 2 3"}]
+        episodes = agent.begin([[1], [1]], [{"prompt": prompt, "prompt_index": 0}] * 2, 2)
+        expected = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "reverse list 1 2 3 (the board: x)"}], add_generation_prompt=True,
+            tokenize=True, return_dict=False,
+        )  # fmt: skip
+        assert all(e.prompt == expected for e in episodes)
+        agent.end(episodes)
+        rows = [{"prompt": prompt, "seen": True, "prompt_index": 0}] * 2
+        with pytest.raises(FinetuneError, match="reset returned different text for the episodes of one prompt"):
+            agent.begin([[1], [1]], rows, 2)
+    finally:
+        sys.path.remove(str(tmp_path))
