@@ -448,6 +448,10 @@ def test_environments_are_closed_whatever_ends_their_episodes(tmp_path, monkeypa
     with pytest.raises(FinetuneError, match=r"reset raised KeyError: 'no such shelf' \(given the prompt's row"):
         agent.begin([[1], [2]], [rows[0], {**rows[1], "answer": "boom"}], 1)
     assert len(agent_shelf.opened) == 2 and all(shelf.closed for shelf in agent_shelf.opened)
+    episodes = agent.begin([[1]], [{"prompt": "c", "answer": None, "prompt_index": 2}], 1)
+    with pytest.raises(FinetuneError, match=r"get_reward raised TypeError: .*fix the environment"):
+        agent.end(episodes)  # len(None)
+    assert episodes[0].environment.closed
 
 
 def test_text_an_environment_returns_at_reset_is_appended_to_the_prompt_and_shared_by_its_episodes(tmp_path):

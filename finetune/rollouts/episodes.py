@@ -36,7 +36,7 @@ from transformers.generation.logits_process import TopPLogitsWarper
 from finetune.data.prompt_only import offered_tools
 from finetune.data.prompts import content_text, prompt_tokens
 from finetune.engine.processes import raised_together
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, first_line
 from finetune.rollouts.generation import Sampling, drawn, generating, shared_prompts_cache
 from finetune.rollouts.static_decode import all_ended
 from finetune.rollouts.tool_calls import Call, ToolTemplate
@@ -125,10 +125,19 @@ class Agent:
         try:
             for episode in episodes:
                 rewarded = episode.environment is not None and self.environment.rewarded
-                rewards.append(episode.environment.get_reward() if rewarded else None)
+                rewards.append(self._reward(episode) if rewarded else None)
         finally:
             close_environments([e.environment for e in episodes if e.environment is not None])
         return rewards
+
+    def _reward(self, episode: Episode) -> Any:
+        try:
+            return episode.environment.get_reward()
+        except Exception as exc:
+            raise FinetuneError(
+                f"rl.environment_factory={self.environment.name}: get_reward raised {type(exc).__name__}: "
+                f"{first_line(exc)}; fix the environment (it is called once an episode has ended)"
+            ) from None
 
     def answers(self, episodes: list[Episode]) -> list[list[int] | None]:
         """Each episode whose model turn just ended: the ids answering its calls, or None where it ends here."""
@@ -189,11 +198,18 @@ def observed_prompt(
 
 
 def close_environments(instances: list[Any]) -> None:
-    """Each environment's `close`, where it has one (called whatever ended the episode)."""
+    """Each environment's `close`, where it has one (called whatever ended the episode); one that raises does not
+    keep the others open, and its error is said once all are closed."""
+    failed = None
     for instance in instances:
         close = getattr(instance, "close", None)
-        if callable(close):
-            close()
+        try:
+            if callable(close):
+                close()
+        except Exception as exc:
+            failed = failed or f"{type(instance).__name__}.close raised {type(exc).__name__}: {first_line(exc)}"
+    if failed:
+        raise FinetuneError(f"rl.environment_factory: {failed}; fix the environment (close ends every episode)")
 
 
 def sample_episodes(
@@ -217,10 +233,12 @@ def sample_episodes(
         with torch.no_grad(), generating(model, gather_once=gather_once) as lock_step:
             synced = lock_step and accelerator.num_processes > 1
             play(generator, episodes, agent, agent.tokenizer.pad_token_id, budget, sampling, synced, group)
-    finally:
-        rewards = agent.end(episodes)
+    except BaseException:
+        close_environments([e.environment for e in episodes if e.environment is not None])
+        raise
     model.train(was_training)
-    return episodes, rewards
+    # An environment's error stops every process with its message, not only the one it happened on.
+    return episodes, raised_together(accelerator, agent.end, episodes)
 
 
 def play(
