@@ -770,6 +770,11 @@ class RLConfig:
     tool_timeout: float = 30.0
     """Agents: seconds a tool call may take; past it the model reads a timeout error as the call's result."""
 
+    unfinished_reward: float | None = None
+    """Agents: the reward of an episode that ends without an answer (its calls unreadable, at rl.max_turns, or at
+    rl.max_new_tokens), instead of the rewards' (logged as rewards/unfinished); null: the rewards score it as any
+    other (it has no final answer: exact_match gives it 0)."""
+
     @property
     def agents(self) -> bool:
         """Completions are episodes that call tools."""
@@ -830,6 +835,11 @@ class RLConfig:
             errors.append(f"rl.max_turns must be >= 1, got {self.max_turns}: the most model turns in an episode")
         if self.tool_timeout <= 0:
             errors.append(f"rl.tool_timeout must be > 0 seconds, got {self.tool_timeout}")
+        if self.unfinished_reward is not None and not self.agents:
+            errors.append(
+                "rl.unfinished_reward scores episodes that end without an answer, and this run has none (no rl.tools "
+                "or rl.environment_factory): remove it"
+            )
         if not self.rewards and self.environment_factory is None:
             errors.append("rl.rewards is empty; name at least one, e.g. [{function: exact_match, column: answer}]")
         for reward in self.rewards:

@@ -484,3 +484,21 @@ def test_text_an_environment_returns_at_reset_is_appended_to_the_prompt_and_shar
             agent.begin([[1], [1]], rows, 2)
     finally:
         sys.path.remove(str(tmp_path))
+
+
+def test_episodes_that_end_without_an_answer_get_the_unfinished_reward_alone_when_one_is_set():
+    from finetune.config import RewardConfig, load_recipe
+    from finetune.objectives.advantages import advantages
+    from finetune.rollouts.rewards import EPISODE_ENDS, build_rewards, score, unfinished_only, unfinished_reward
+
+    rewards = [*build_rewards([RewardConfig(function="exact_match", column="answer")]), unfinished_reward(-0.5)]
+    ends = ["answer", "length", "unread", "answer"]
+    given = [[{"role": "assistant", "content": text}] for text in ("4 3", "4 3", "x", "1")]
+    columns = {"answer": ["4 3"] * 4, EPISODE_ENDS: ends}
+    scores = unfinished_only(score(rewards, ["p"] * 4, given, [[1]] * 4, columns), ends, [r.name for r in rewards])
+    # The cut episode wrote the right digits before its budget ran out: no answer, so it is not credited for them.
+    _, total, _ = advantages(scores, torch.tensor([1.0, 1.0]), 4, "group")
+    assert total.tolist() == [1.0, -0.5, -0.5, 0.0]
+    assert load_recipe(AGENT_GRPO, ["rl.unfinished_reward=-1"]).rl.unfinished_reward == -1.0
+    with pytest.raises(FinetuneError, match="rl.unfinished_reward scores episodes .* remove it"):
+        load_recipe(AGENT_GRPO, ["rl.tools=[]", "rl.unfinished_reward=-1"])

@@ -64,11 +64,14 @@ from finetune.rollouts.generation import (
 )
 from finetune.rollouts.rewards import (
     ENVIRONMENT_REWARDS,
+    EPISODE_ENDS,
     Reward,
     build_rewards,
     check_columns,
     environment_reward,
     score,
+    unfinished_only,
+    unfinished_reward,
     unscored,
 )
 from finetune.rollouts.static_decode import StaticDecoding, check_static_cache
@@ -284,9 +287,13 @@ class GRPO:
                 columns.setdefault(name, []).extend(v for v in values for _ in range(repeats))
         prompts = columns.pop("prompt")
         if episodes is not None:
-            columns[ENVIRONMENT_REWARDS] = [e.environment_reward for e in episodes]
-            given = [e.messages for e in episodes]
-            return score(self.rewards, prompts, given, [e.model_ids for e in episodes], columns)
+            ends = [e.end for e in episodes]
+            columns[ENVIRONMENT_REWARDS], columns[EPISODE_ENDS] = [e.environment_reward for e in episodes], ends
+            scores = score(self.rewards, prompts, [e.messages for e in episodes], [e.model_ids for e in episodes],
+                           columns)  # fmt: skip
+            if self.cfg.unfinished_reward is None:
+                return scores
+            return unfinished_only(scores, ends, [reward.name for reward in self.rewards])
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         # As TRL gives them: conversations' completions as an assistant message (a prefill's text, the prompt's last
         # assistant message, before what the model wrote, and no longer in the prompt), text prompts' as text.
@@ -403,6 +410,8 @@ class GRPOBuilder:
         self.environment = EnvironmentFactory.load(factory, self.tools) if factory else None
         if self.environment is not None and self.environment.rewarded:
             self.rewards.append(environment_reward(self.environment.kind.__name__))
+        if cfg.unfinished_reward is not None:
+            self.rewards.append(unfinished_reward(cfg.unfinished_reward))
         if not self.rewards:
             raise FinetuneError(
                 f"rl.rewards is empty and rl.environment_factory={cfg.environment_factory} gives no reward (its "

@@ -61,6 +61,30 @@ def environment_reward(name: str) -> Reward:
     return Reward(name, 1.0, environment, None)
 
 
+EPISODE_ENDS = "episode_ends"
+"""The keyword each episode's end (`finetune.rollouts.episodes.ENDS`) reaches the rewards by."""
+
+
+def unfinished_reward(value: float) -> Reward:
+    """rl.unfinished_reward: `value` for an episode that ended without an answer, nothing for the others (whose
+    rewards the functions give); `unfinished_only` leaves the unfinished ones to it alone."""
+
+    def unfinished(**columns: Any) -> list[float | None]:
+        return [None if end == "answer" else value for end in columns[EPISODE_ENDS]]
+
+    return Reward("unfinished", 1.0, unfinished, None)
+
+
+def unfinished_only(per_function: torch.Tensor, ends: list[str], names: list[str]) -> torch.Tensor:
+    """(completions, functions) scores where an unfinished episode keeps only the `unfinished` reward's."""
+    column = names.index("unfinished")
+    rows = torch.tensor([end != "answer" for end in ends])
+    others = torch.ones(len(names), dtype=torch.bool)
+    others[column] = False
+    per_function[rows.unsqueeze(1) & others] = math.nan
+    return per_function
+
+
 def build_rewards(configs: list[RewardConfig], max_new_tokens: int | None = None) -> list[Reward]:
     """The recipe's rewards, imported and checked (one message naming the fix for each kind of mistake);
     `max_new_tokens`, the completions' limit, is what `overlong` measures against."""
