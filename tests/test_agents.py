@@ -398,7 +398,7 @@ def test_training_reads_the_log_probabilities_the_episodes_were_sampled_with(age
     episodes = [Episode(p, {t.name: t for t in tools}, agent.schemas) for p in prompts for _ in range(2)]
     temperature = 0.7
     sampled: dict[int, list[float]] = {n: [] for n in range(len(episodes))}
-    picker = module._picker
+    picker = module.picker
 
     def recording(sampling):
         pick = picker(sampling)
@@ -413,7 +413,7 @@ def test_training_reads_the_log_probabilities_the_episodes_were_sampled_with(age
 
         return recorded
 
-    monkeypatch.setattr(module, "_picker", recording)
+    monkeypatch.setattr(module, "picker", recording)
     noise = row_noise([(0, n) for n in range(len(episodes))], 64)
     with torch.no_grad():
         play(model, episodes, agent, tokenizer.pad_token_id, 64, Sampling(temperature, 1.0, noise), False, 2)

@@ -228,18 +228,15 @@ class GRPO:
         sampling: Sampling | None,
         generations: int,
     ) -> list[Episode]:
-        """The prompts' episodes (agents), each given its environment's reward (`environment_reward`)."""
+        """The prompts' episodes (agents), each with its environment's reward (`environment_reward`)."""
         rows = [
             {**{name: values[n] for name, values in batch["columns"].items()}, "prompt_index": int(index)}
             for batch in micro_batches for n, index in enumerate(batch["prompt_index"]) for _ in range(generations)
         ]  # fmt: skip
-        episodes, rewards = sample_episodes(
+        return sample_episodes(
             model, self.agent, prompts, rows, accelerator, self.cfg.max_new_tokens, sampling, self.gather_once,
             generations,
         )  # fmt: skip
-        for episode, reward in zip(episodes, rewards, strict=True):
-            episode.environment_reward = reward
-        return episodes
 
     def _refilled(
         self,

@@ -23,7 +23,6 @@ calls of a step's turns at once: a tool's time is the step's, and results never 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,16 +30,15 @@ import torch
 from accelerate import Accelerator
 from torch.nn.parallel import DistributedDataParallel
 from transformers import DynamicCache, PreTrainedTokenizerBase
-from transformers.generation.logits_process import TopPLogitsWarper
 
 from finetune.data.prompt_only import offered_tools
 from finetune.data.prompts import content_text, prompt_tokens
 from finetune.engine.processes import raised_together
 from finetune.errors import FinetuneError, first_line
-from finetune.rollouts.generation import Sampling, drawn, generating, shared_prompts_cache
+from finetune.rollouts.generation import Sampling, generating, left_padded, picker, shared_prompts_cache
 from finetune.rollouts.static_decode import all_ended
 from finetune.rollouts.tool_calls import Call, ToolTemplate
-from finetune.rollouts.tools import EnvironmentFactory, Outcome, Tool, run_calls
+from finetune.rollouts.tools import EnvironmentFactory, Outcome, Tool, close_environments, run_calls
 
 ENDS = ("answer", "unread", "turns", "length")
 """How an episode may end (see the module's docstring)."""
@@ -120,12 +118,14 @@ class Agent:
         return episodes
 
     def end(self, episodes: list[Episode]) -> list[float | None]:
-        """Each episode's environment's reward (None without one), each environment closed, whatever happens."""
+        """Each episode's environment's reward (None without one), kept as its `environment_reward`; each
+        environment closed, whatever happens."""
         rewards: list[float | None] = []
         try:
             for episode in episodes:
                 rewarded = episode.environment is not None and self.environment.rewarded
-                rewards.append(self._reward(episode) if rewarded else None)
+                episode.environment_reward = self._reward(episode) if rewarded else None
+                rewards.append(episode.environment_reward)
         finally:
             close_environments([e.environment for e in episodes if e.environment is not None])
         return rewards
@@ -197,21 +197,6 @@ def observed_prompt(
     return prompt_tokens(prompt, offered_tools(row.get("tools"), schemas, index), tokenizer, index)
 
 
-def close_environments(instances: list[Any]) -> None:
-    """Each environment's `close`, where it has one (called whatever ended the episode); one that raises does not
-    keep the others open, and its error is said once all are closed."""
-    failed = None
-    for instance in instances:
-        close = getattr(instance, "close", None)
-        try:
-            if callable(close):
-                close()
-        except Exception as exc:
-            failed = failed or f"{type(instance).__name__}.close raised {type(exc).__name__}: {first_line(exc)}"
-    if failed:
-        raise FinetuneError(f"rl.environment_factory: {failed}; fix the environment (close ends every episode)")
-
-
 def sample_episodes(
     model: torch.nn.Module,
     agent: Agent,
@@ -222,9 +207,9 @@ def sample_episodes(
     sampling: Sampling | None,
     gather_once: bool,
     group: int,
-) -> tuple[list[Episode], list[float | None]]:
+) -> list[Episode]:
     """The prompts' episodes played (a collective, as `sample_rollout`: the model in eval mode without gradients,
-    inside `generating`), and each one's environment reward; every environment closed, whatever happens."""
+    inside `generating`), each given its environment's reward; every environment closed, whatever happens."""
     episodes = raised_together(accelerator, agent.begin, prompts, rows, group)
     was_training = model.training
     model.eval()
@@ -238,7 +223,8 @@ def sample_episodes(
         raise
     model.train(was_training)
     # An environment's error stops every process with its message, not only the one it happened on.
-    return episodes, raised_together(accelerator, agent.end, episodes)
+    raised_together(accelerator, agent.end, episodes)
+    return episodes
 
 
 def play(
@@ -254,16 +240,14 @@ def play(
     """The episodes played to their ends (see the module's docstring), their ids written into them. `group`: each
     prompt comes that many times in a row, and its forward runs once."""
     device = next(model.parameters()).device
-    width = max(len(e.prompt) for e in episodes)
-    input_ids = torch.tensor([[pad] * (width - len(e.prompt)) + e.prompt for e in episodes], device=device)
-    mask = torch.tensor([[0] * (width - len(e.prompt)) + [1] * len(e.prompt) for e in episodes], device=device)
+    input_ids, mask = left_padded([e.prompt for e in episodes], pad, device)
     cache = shared_prompts_cache(model, input_ids, mask, group) or DynamicCache(config=model.config)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
     seen = cache.get_seq_length()
     step_ids, step_positions, attention = input_ids[:, seen:], positions[:, seen:], mask
     following = mask.sum(-1).cpu()  # each row's next position, by number
     live = torch.arange(len(episodes))
-    pick = _picker(sampling)
+    pick = picker(sampling)
     while True:
         logits = model(
             input_ids=step_ids, attention_mask=attention, position_ids=step_positions, past_key_values=cache,
@@ -339,12 +323,3 @@ def _step(
         following[row] = start + len(feed)
     as_tensor = lambda values: torch.tensor(values, device=device)  # noqa: E731
     return as_tensor(ids), as_tensor(mask), as_tensor(positions)
-
-
-def _picker(sampling: Sampling | None) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Each row's next token from its logits: the likeliest, or drawn with the row's noise at its place in the
-    episode (`places`)."""
-    if sampling is None:
-        return lambda logits, rows, places: logits.float().argmax(dim=-1, keepdim=True)
-    top_p = TopPLogitsWarper(sampling.top_p) if sampling.top_p < 1 else None
-    return lambda logits, rows, places: drawn(logits, sampling.noise[rows, places].unsqueeze(1), sampling, top_p)

@@ -180,11 +180,9 @@ def complete(
     decodes in a loop of our own where it can (`decodes_itself`), else, or with `reference`, in transformers'
     `generate`: the same tokens (tests/test_generation.py). `static`: the loop over a static cache whose step is
     compiled (finetune.rollouts.static_decode), for models whose cache it can hold; the same tokens again."""
-    width = max(len(ids) for ids in prompts)
     pad = tokenizer.pad_token_id
-    device = accelerator.device
-    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=device)
+    input_ids, mask = left_padded(prompts, pad, accelerator.device)
+    width = input_ids.shape[1]
     # Settings of our own, not the model's generation config (a chat model's sampling defaults, a repetition
     # penalty): online RL trains the log-probabilities of the distribution it sampled from.
     stops = stop_tokens(model, tokenizer)
@@ -196,7 +194,7 @@ def complete(
         # the forward compiled, without the wrapper's context managers.
         base = _without_adapter_wrapper(generator)
         prefix = shared_prompts_cache(base, input_ids, mask, group, shared_only=False)
-        rows = static.decode(base, input_ids, mask, prefix, stops, max_new_tokens, _picker(sampling), synced)
+        rows = static.decode(base, input_ids, mask, prefix, stops, max_new_tokens, picker(sampling), synced)
     elif decodes_itself(generator) and not reference:
         rows = _decoded(generator, input_ids, mask, stops, max_new_tokens, sampling, synced, group)
     else:
@@ -284,7 +282,7 @@ def _decoded(
     live = torch.arange(rows)  # the batch's rows, by their number
     writing = torch.ones(rows, dtype=torch.bool)  # by number: not ended yet
     stop_ids = torch.tensor(stops, device=device)
-    pick = _picker(sampling)
+    pick = picker(sampling)
     out: list[list[int]] = [[] for _ in range(rows)]
     for t in range(max_new_tokens):
         logits = model(
@@ -316,13 +314,22 @@ def _decoded(
     return out
 
 
-def _picker(sampling: Sampling | None) -> Pick:
+def picker(sampling: Sampling | None) -> Pick:
     """How a decoding loop picks each row's next token from its logits: the likeliest, or drawn with the row's
-    noise for that position (`drawn`)."""
+    noise for its position `t` (one for every row, or a tensor of each row's own: its place in an episode,
+    `finetune.rollouts.episodes`), by `drawn`."""
     if sampling is None:
         return lambda logits, rows, t: logits.float().argmax(dim=-1, keepdim=True)
     top_p = TopPLogitsWarper(sampling.top_p) if sampling.top_p < 1 else None
-    return lambda logits, rows, t: drawn(logits, sampling.noise[rows, t : t + 1], sampling, top_p)
+    return lambda logits, rows, t: drawn(logits, sampling.noise[rows, t].unsqueeze(1), sampling, top_p)
+
+
+def left_padded(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as a decoding loop takes them: ids left-padded to the longest, and the mask of the real ones."""
+    width = max(len(ids) for ids in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=device)
+    return input_ids, mask
 
 
 def shared_prompts_cache(

@@ -26,7 +26,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from transformers.utils import get_json_schema
@@ -81,59 +81,57 @@ class EnvironmentFactory:
     kind: type
     rewarded: bool
     """Its instances give a reward (`get_reward`)."""
-    method_names: tuple[str, ...] = field(default=())
-    _schemas: list[dict[str, Any]] = field(default_factory=list)
+    methods: tuple[Tool, ...] = ()
+    """Its tools as one instance offered them: their schemas are every instance's (read once, at load)."""
 
     @staticmethod
     def load(name: str, tools: list[Tool]) -> EnvironmentFactory:
         """The factory imported, one instance built to read its tools (checked as rl.tools are)."""
         factory = imported(name, "rl.environment_factory", "a callable returning an environment")
-        try:
-            instance = factory()
-        except Exception as exc:
-            raise FinetuneError(
-                f"rl.environment_factory={name} raised {type(exc).__name__}: {first_line(exc)}; it is called with "
-                "no arguments, once per episode"
-            ) from None
+        found = EnvironmentFactory(name, factory, object, False)
+        instance = found._built()
         if not callable(getattr(instance, "reset", None)):
             raise FinetuneError(
                 f"rl.environment_factory={name} returned a {type(instance).__name__}, which has no reset method; an "
                 "environment defines reset(**row) -> str | None (and its tools as public methods)"
             )
+        where = f"rl.environment_factory={name}: the method"
         methods = tuple(
-            n for n, _ in inspect.getmembers(type(instance), inspect.isfunction)
+            tool_of(getattr(instance, n), where) for n, _ in inspect.getmembers(type(instance), inspect.isfunction)
             if not n.startswith("_") and n not in ENVIRONMENT_METHODS
         )  # fmt: skip
+        _check_unique(tools + list(methods), f"rl.tools and {name}'s methods")
+        close_environments([instance])
         rewarded = callable(getattr(instance, "get_reward", None))
-        found = EnvironmentFactory(name, factory, type(instance), rewarded, methods)
-        own = found.tools(instance)
-        _check_unique(tools + own, f"rl.tools and {name}'s methods")
-        found._schemas = [tool.schema for tool in own]
-        _close(instance)
-        return found
+        return EnvironmentFactory(name, factory, type(instance), rewarded, methods)
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
         """Its methods' schemas (the same for every instance)."""
-        return self._schemas
+        return [method.schema for method in self.methods]
+
+    def _built(self) -> Any:
+        try:
+            return self.factory()
+        except Exception as exc:
+            raise FinetuneError(
+                f"rl.environment_factory={self.name} raised {type(exc).__name__}: {first_line(exc)}; it is called "
+                "with no arguments, once per episode"
+            ) from None
 
     def started(self, row: dict[str, Any]) -> tuple[Any, str | None]:
         """A new instance reset with a prompt's row, and the text it returned."""
-        try:
-            instance = self.factory()
-        except Exception as exc:
-            message = f"rl.environment_factory={self.name} raised {type(exc).__name__}: {first_line(exc)}"
-            raise FinetuneError(message) from None
+        instance = self._built()
         try:
             text = instance.reset(**row)
         except Exception as exc:
-            _close(instance)
+            close_environments([instance])
             raise FinetuneError(
                 f"rl.environment_factory={self.name}: reset raised {type(exc).__name__}: {first_line(exc)} (given "
                 f"the prompt's row, columns {', '.join(row)})"
             ) from None
         if text is not None and not isinstance(text, str):
-            _close(instance)
+            close_environments([instance])
             raise FinetuneError(
                 f"rl.environment_factory={self.name}: reset returned {type(text).__name__}; return text (appended to "
                 "the prompt's last user message) or None"
@@ -141,15 +139,23 @@ class EnvironmentFactory:
         return instance, text
 
     def tools(self, instance: Any) -> list[Tool]:
-        """An instance's methods as tools (bound to it)."""
-        where = f"rl.environment_factory={self.name}"
-        return [tool_of(getattr(instance, n), f"{where}: the method") for n in self.method_names]
+        """An instance's methods as tools (bound to it; their schemas the ones read at load)."""
+        return [Tool(method.name, getattr(instance, method.name), method.schema) for method in self.methods]
 
 
-def _close(instance: Any) -> None:
-    close = getattr(instance, "close", None)
-    if callable(close):
-        close()
+def close_environments(instances: list[Any]) -> None:
+    """Each environment's `close`, where it has one (called whatever ended the episode); one that raises does not
+    keep the others open, and its error is said once all are closed."""
+    failed = None
+    for instance in instances:
+        close = getattr(instance, "close", None)
+        try:
+            if callable(close):
+                close()
+        except Exception as exc:
+            failed = failed or f"{type(instance).__name__}.close raised {type(exc).__name__}: {first_line(exc)}"
+    if failed:
+        raise FinetuneError(f"rl.environment_factory: {failed}; fix the environment (close ends every episode)")
 
 
 @dataclass
