@@ -28,7 +28,7 @@ TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b tr
 	train-8b-lora train-qwen-7b-lora train-70b-qlora train-qwen3-8b train-qwen3-8b-128k train-qwen3-30b-a3b train-qwen3-30b-a3b-64k \
 	train-qwen3-30b-a3b-lora \
 	train-gpt-oss-20b-lora train-mixtral-lora train-qwen-7b-tools train-8b-dpo train-qwen-7b-dpo \
-	train-qwen3-8b-grpo train-qwen3-8b-grpo-lora train-qwen3-1.7b-distill train-qwen3-1.7b-distill-on-policy
+	train-qwen3-8b-grpo train-qwen3-8b-grpo-lora train-qwen3-8b-grpo-tools train-qwen3-1.7b-distill train-qwen3-1.7b-distill-on-policy
 .PHONY: help setup test-fast demo demo-lora demo-dpo demo-grpo demo-distill train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu \
 	gpu-wheels gpu-check test test-gpu lint format clean
 
@@ -178,6 +178,11 @@ train-qwen3-8b-grpo: RECIPE = recipes/qwen/qwen3-8b-grpo-math.yaml
 train-qwen3-8b-grpo: WRAP = Qwen3DecoderLayer
 train-qwen3-8b-grpo: CONFIG = accelerate_configs/single_node.yaml
 train-qwen3-8b-grpo: NUM_PROCESSES = 8
+train-qwen3-8b-grpo-tools: ## Qwen3-8B, online RL over episodes that call a calculator, DeepMath-103K, 8 GPUs
+train-qwen3-8b-grpo-tools: RECIPE = recipes/qwen/qwen3-8b-grpo-tools.yaml
+train-qwen3-8b-grpo-tools: WRAP = Qwen3DecoderLayer
+train-qwen3-8b-grpo-tools: CONFIG = accelerate_configs/single_node.yaml
+train-qwen3-8b-grpo-tools: NUM_PROCESSES = 8
 train-qwen3-8b-grpo-lora: ## Qwen3-8B LoRA, online RL (GRPO) on DeepMath-103K, 1 GPU, no FSDP
 train-qwen3-8b-grpo-lora: RECIPE = recipes/qwen/qwen3-8b-grpo-math-lora.yaml
 train-qwen3-8b-grpo-lora: WRAP = Qwen3DecoderLayer

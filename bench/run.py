@@ -23,6 +23,7 @@ Comparisons (2 CPU processes over gloo unless stated), one module each in bench/
   merge            `finetune export --merge` vs PEFT's merge_and_unload() + save_pretrained: time, peak RSS
   grpo             online RL prompts/s through whole steps (generation included) and peak RSS vs TRL GRPOTrainer
   distill          distillation target tokens/s (off-policy), samples/s (on-policy) and peak RSS vs TRL GKDTrainer
+  agent            online RL over episodes that call a tool: episodes/s and peak RSS vs TRL GRPOTrainer with tools
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ from common import REPO, Bench, _git
 
 SECTIONS = ("data_pipeline", "packing", "loss_path", "loop_overhead", "trainer", "checkpoint_save", "scaling",
             "export", "lora_vs_full", "trl_lora", "dpo", "moe", "merge", "long_context", "grpo",
-            "distill")  # fmt: skip
+            "distill", "agent")  # fmt: skip
 """Every comparison, in the order `make bench` runs them: each a module of bench/comparisons/."""
 TABLE = ("loop_overhead", "trainer", "export", "checkpoint_save", "data_pipeline", "packing", "loss_path",
-         "lora_vs_full", "trl_lora", "dpo", "moe", "merge", "long_context", "grpo", "distill")  # fmt: skip
+         "lora_vs_full", "trl_lora", "dpo", "moe", "merge", "long_context", "grpo", "distill", "agent")  # fmt: skip
 """The comparison table's rows, in the table's order (scaling has a table of its own)."""
 COMPARISONS = {name: importlib.import_module(f"comparisons.{name}") for name in SECTIONS}
 

@@ -357,6 +357,22 @@ def test_episodes_resume_mid_run_exactly_on_another_process_count(agent_runs, ag
     assert max((final[k] - wanted[k]).abs().max().item() for k in final) < 1e-5
 
 
+@pytest.mark.multiprocess
+def test_episodes_train_lora_adapters(agent_assets, tmp_path):
+    """GRPO over episodes with LoRA on the SFT model: the episodes call the tool, and the adapters trained on them
+    are what the export holds (lora_B starts at zero: a nonzero one was trained)."""
+    settings = {
+        "peft.method": "lora", "peft.r": 8, "peft.alpha": 16, "train.max_steps": 2, "train.eval_every_steps": 0,
+        "checkpoint.save_every_steps": 0, "data.eval_path": "null",
+    }  # fmt: skip
+    run = _agent_grpo(agent_assets, "lora", 1, tmp_path / "lora", **settings)
+    steps = run.per_step()
+    assert sorted(steps) == [1, 2] and steps[1]["tools/call_frequency"] > 0.5 and steps[1]["episodes/turns"] > 1.5
+    adapter = load_file(run.output_dir / "final" / "adapter_model.safetensors")
+    trained = [key for key, value in adapter.items() if "lora_B" in key and value.abs().max() > 0]
+    assert trained, sorted(adapter)[:4]
+
+
 def test_check_prints_the_call_format_and_the_result_text_it_learnt(tmp_path, capsys):
     """A user sees before training whether their model's calls will be read, and what a result reads like."""
     from finetune.cli import main
@@ -378,7 +394,8 @@ def test_check_prints_the_call_format_and_the_result_text_it_learnt(tmp_path, ca
 def test_training_reads_the_log_probabilities_the_episodes_were_sampled_with(agent_assets, monkeypatch):
     """Episodes sampled with the SFT model (calls, answers, a second turn), then laid out as training lays them
     (shared rows: a prompt once, its episodes after it): the log-probability training computes for each token the
-    model wrote equals the sampler's, in the context the model sampled it in."""
+    model wrote equals the sampler's, in the context the model sampled it in. Played again with the cache rebuilt
+    from the ids it holds at every step (as it is when the answers' padding crowds it), the episodes are the same."""
     from transformers import AutoModelForCausalLM
 
     from finetune.data.rollout import shared_rows
@@ -416,8 +433,16 @@ def test_training_reads_the_log_probabilities_the_episodes_were_sampled_with(age
     monkeypatch.setattr(module, "picker", recording)
     noise = row_noise([(0, n) for n in range(len(episodes))], 64)
     with torch.no_grad():
-        play(model, episodes, agent, tokenizer.pad_token_id, 64, Sampling(temperature, 1.0, noise), False, 2)
+        kept = play(model, episodes, agent, tokenizer.pad_token_id, 64, Sampling(temperature, 1.0, noise), False, 2)
     assert sum(e.counts["turns"] >= 2 for e in episodes) >= len(episodes) // 2  # answers read, then a turn more
+    # The same episodes when the cache is rebuilt from the ids it holds at every step (room -1: always crowded).
+    monkeypatch.setattr(module, "picker", picker)
+    again = [Episode(p, {t.name: t for t in tools}, agent.schemas) for p in prompts for _ in range(2)]
+    with torch.no_grad():
+        rebuilt = play(
+            model, again, agent, tokenizer.pad_token_id, 64, Sampling(temperature, 1.0, noise), False, 2, room=-1
+        )
+    assert rebuilt > kept and [e.ids for e in again] == [e.ids for e in episodes]
     shared_attention.register()
     model.set_attn_implementation(shared_attention.NAME)
     layout = shared_rows([e.prompt for e in episodes], [e.ids for e in episodes], 2, tokenizer.pad_token_id)
@@ -502,3 +527,18 @@ def test_episodes_that_end_without_an_answer_get_the_unfinished_reward_alone_whe
     assert load_recipe(AGENT_GRPO, ["rl.unfinished_reward=-1"]).rl.unfinished_reward == -1.0
     with pytest.raises(FinetuneError, match="rl.unfinished_reward scores episodes .* remove it"):
         load_recipe(AGENT_GRPO, ["rl.tools=[]", "rl.unfinished_reward=-1"])
+
+
+def test_the_calculator_computes_arithmetic_and_refuses_everything_else():
+    """The recipes' calculator (finetune.rollouts.calculator): arithmetic only, never Python's eval; a refusal is an
+    exception, which an episode turns into the error text the model reads."""
+    from finetune.rollouts.calculator import calculate
+
+    assert calculate("(12.5 - 3) * 4 ** 2") == "152" and calculate("7 / 2") == "3.5" and calculate("-2**3") == "-8"
+    assert calculate(" 17 // 5 + 17 % 5 ") == "5"
+    for expression in ("__import__('os').getcwd()", "9**9**9", "1/0", "x + 1", "True + 1", "1e300 * 1e300", "2 +"):
+        with pytest.raises((ValueError, ZeroDivisionError, SyntaxError)):
+            calculate(expression)
+    tools = {"calculate": tool_of(calculate, "rl.tools")}
+    ((outcome,),) = run_calls([([Call("calculate", {"expression": "1/0"})], tools)], 5.0)
+    assert outcome.error == "error" and outcome.text.startswith("Error: ")

@@ -197,6 +197,11 @@ def test_online_rl_plans_its_generation_phase():
         == rollout.kv_cache * (recipe.data.max_length + prompts) // recipe.data.max_length
     )
     assert f"generation (rl, a static cache: {rows} completions a step)" in plan(static, launch, 80 * 2**30)
+    # Agents' episodes: room for the answers' padding, half an episode's more (the cache is rebuilt past it).
+    tools = load_recipe(REPO / "recipes" / "qwen" / "qwen3-8b-grpo-tools.yaml")
+    assert tools.data.max_length == recipe.data.max_length and tools.rl.max_turns == 4
+    assert estimate(shape, tools, launch, launch.strategy).generation.kv_cache == rollout.kv_cache * 3 // 2
+    assert "episodes of up to 4 turns with room for their answers' padding" in plan(tools, launch, 80 * 2**30)
     longer = load_recipe(REPO / "recipes" / "qwen" / "qwen3-8b-grpo-math.yaml", ["train.global_batch_size=1024"])
     crowded = estimate(shape, longer, launch, launch.strategy)  # a rollout of 1,024 completions outweighs a step
     assert crowded.device_peak("full") == crowded.generation.total(crowded) > crowded.device_total("full")

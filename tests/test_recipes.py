@@ -43,6 +43,7 @@ MODELS = {
     "recipes/qwen/qwen2.5-7b-dpo-lora.yaml": ("Qwen2DecoderLayer", 7_615_616_512),
     "recipes/qwen/qwen3-8b-grpo-math.yaml": ("Qwen3DecoderLayer", 8_190_735_360),
     "recipes/qwen/qwen3-8b-grpo-math-lora.yaml": ("Qwen3DecoderLayer", 8_190_735_360),
+    "recipes/qwen/qwen3-8b-grpo-tools.yaml": ("Qwen3DecoderLayer", 8_190_735_360),
     "recipes/qwen/qwen3-1.7b-distill.yaml": ("Qwen3DecoderLayer", 1_720_574_976),  # 1.7B, 1.4B without embeddings
     "recipes/qwen/qwen3-1.7b-distill-on-policy.yaml": ("Qwen3DecoderLayer", 1_720_574_976),
 }

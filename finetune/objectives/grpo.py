@@ -204,7 +204,7 @@ class GRPO:
             episodes = self._episodes(model, micro_batches, prompts, accelerator, sampling, generations)
             completions, wrote = [e.ids for e in episodes], [e.wrote for e in episodes]
             truncated = [e.end == "length" for e in episodes]
-            self.window.add_episodes([e.counts for e in episodes], [e.end for e in episodes])
+            self.window.add_episodes([e.counts for e in episodes], [e.end for e in episodes], [sum(w) for w in wrote])
         else:
             completions = sample_rollout(
                 model, prompts, self.tokenizer, accelerator, new_tokens, sampling, once, generations, self.static

@@ -30,9 +30,9 @@ class RolloutWindow:
     longest: float = 0.0
     loss_sums: torch.Tensor | None = None
     """The losses' token counts, on the device they are computed on: summed there, read once per log."""
-    episodes: torch.Tensor = field(default_factory=lambda: torch.zeros(len(EPISODE_COUNTS) + 3, dtype=torch.float64))
-    """Agents' episodes: how many, then the sums of their `EPISODE_COUNTS`, and those cut at the budget and at
-    rl.max_turns."""
+    episodes: torch.Tensor = field(default_factory=lambda: torch.zeros(len(EPISODE_COUNTS) + 4, dtype=torch.float64))
+    """Agents' episodes: how many, then the sums of their `EPISODE_COUNTS`, those cut at the budget and at
+    rl.max_turns, and the ids the model wrote."""
     generating_seconds: float = 0.0
     """Wall time this process spent generating, and the rollouts it generated, since the last log."""
     rollouts: int = 0
@@ -65,10 +65,11 @@ class RolloutWindow:
         step ran out of rounds before every trained group had signal."""
         self.sums[8:_BASE] += torch.tensor([trained, dropped, trained * unfilled], dtype=torch.float64)
 
-    def add_episodes(self, counts: list[dict[str, int]], ends: list[str]) -> None:
-        """A rollout's episodes: their counts and how they ended (`finetune.rollouts.episodes.ENDS`)."""
+    def add_episodes(self, counts: list[dict[str, int]], ends: list[str], written: list[int]) -> None:
+        """A rollout's episodes: their counts, how they ended (`finetune.rollouts.episodes.ENDS`) and how many ids
+        the model wrote in each."""
         values = [len(counts)] + [sum(c[name] for c in counts) for name in EPISODE_COUNTS]
-        values += [ends.count("length"), ends.count("turns")]
+        values += [ends.count("length"), ends.count("turns"), sum(written)]
         self.episodes += torch.tensor(values, dtype=torch.float64)
 
     def add_losses(self, mask: torch.Tensor, losses: TokenLosses) -> None:
@@ -142,14 +143,18 @@ def _episode_metrics(
     unread: float,
     cut: float,
     at_max_turns: float,
+    written: float,
 ) -> dict[str, float]:
-    """What the log says of agents' episodes, under TRL's names where TRL has one (`tools/...`)."""
+    """What the log says of agents' episodes, under TRL's names where TRL has one (`tools/...`). TRL's
+    completions/mean_length counts only the ids the model wrote when tools answer; finetune's counts every id of
+    the episode (the budget's measure) and episodes/written_tokens the model's."""
     return {
         "tools/call_frequency": calls / episodes,
         "tools/failure_frequency": (error + unknown + timeout) / max(calls, 1),
         "tools/unknown_frequency": unknown / max(calls, 1), "tools/timeout_frequency": timeout / max(calls, 1),
         "episodes/turns": turns / episodes, "episodes/unread_calls": unread / episodes,
         "episodes/cut_ratio": cut / episodes, "episodes/max_turns_ratio": at_max_turns / episodes,
+        "episodes/written_tokens": written / episodes,
     }  # fmt: skip
 
 

@@ -265,11 +265,15 @@ def generation_bytes(
 ) -> Generation:
     """A rollout on one device: a step's completions (`rollout_rows`) decoded together, with a KV cache of
     `data.max_length` tokens each; a static one (`rl.rollout_cache`) is that rounded up to its allocation step,
-    beside the prompts' dynamic cache it is filled from."""
+    beside the prompts' dynamic cache it is filled from. Agents' episodes feed the tools' answers left-padded
+    within a step, and their cache is rebuilt when that padding would pass half an episode's room
+    (`finetune.rollouts.episodes`): one and a half times the tokens at most."""
     rows = rollout_rows(recipe, launch)
     tokens = recipe.data.max_length
     if recipe.rl is not None and recipe.rl.rollout_cache == "static":
         tokens = cache_length(tokens) + tokens - recipe.rl.max_new_tokens
+    if recipe.rl is not None and recipe.rl.agents:
+        tokens += tokens // 2
     kv_cache = rows * tokens * shape.layers * 2 * shape.kv_hidden * compute_bytes
     return Generation(kv_cache, whole, per_layer, rows * shape.vocab * 4 * 2)
 

@@ -116,6 +116,8 @@ def plan(recipe: RecipeConfig, launch: Launch, gpu_memory: int) -> str:
         rows = rollout_rows(recipe, launch)
         kind = "rl" if recipe.rl is not None else "on-policy distill"
         kind += ", a static cache" if recipe.rl is not None and recipe.rl.rollout_cache == "static" else ""
+        if recipe.rl is not None and recipe.rl.agents:  # the answers' padding (see generation_bytes)
+            kind += f", episodes of up to {recipe.rl.max_turns} turns with room for their answers' padding"
         each = " (one a row; a packed row's other samples add theirs)" if recipe.data.packing and kind != "rl" else ""
         lines.append(
             f"generation ({kind}: {rows} completions a step{each}): KV cache {rollout.kv_cache / gib:.2f}, "

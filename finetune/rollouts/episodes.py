@@ -15,9 +15,12 @@ ends it there).
 
 Decoding (`play`) is the dynamic cache's loop of `finetune.rollouts.generation`, with rows that feed more than one
 id at a step: a row whose turn ended feeds its last sampled token and the answer at once (left-padded within the
-step; padding is masked). Each sampled id draws the row's uniform number at its place in the episode, so an
-episode is the same whatever else shares its batch or process. Under FSDP the processes decode in lock-step, a
-process with nothing left decoding an unrecorded row, as in `complete`. Tools run while decoding waits, all the
+step; padding is masked). That padding takes the cache's room in every other row: when it would exceed half an
+episode's room (the longest prompt and the budget), the cache is rebuilt from the ids each row holds, without it
+(one forward, as a prompt's), so a cache never holds more than one and a half times its rows' longest context.
+Each sampled id draws the row's uniform number at its place in the episode, so an episode is the same whatever
+else shares its batch or process. Under FSDP the processes decode in lock-step, a process with nothing left
+decoding an unrecorded row, as in `complete`. Tools run while decoding waits, all the
 calls of a step's turns at once: a tool's time is the step's, and results never depend on which finishes first.
 """
 
@@ -36,7 +39,6 @@ from finetune.data.prompts import content_text, prompt_tokens
 from finetune.engine.processes import raised_together
 from finetune.errors import FinetuneError, first_line
 from finetune.rollouts.generation import Sampling, generating, left_padded, picker, shared_prompts_cache
-from finetune.rollouts.static_decode import all_ended
 from finetune.rollouts.tool_calls import Call, ToolTemplate
 from finetune.rollouts.tools import EnvironmentFactory, Outcome, Tool, close_environments, run_calls
 
@@ -236,10 +238,16 @@ def play(
     sampling: Sampling | None,
     synced: bool,
     group: int,
-) -> None:
+    room: int | None = None,
+) -> int:
     """The episodes played to their ends (see the module's docstring), their ids written into them. `group`: each
-    prompt comes that many times in a row, and its forward runs once."""
+    prompt comes that many times in a row, and its forward runs once. `room`: the padding columns the cache may
+    hold before it is rebuilt without them (default: half the longest prompt and the budget). Returns how many
+    times it was rebuilt."""
     device = next(model.parameters()).device
+    held = [list(e.prompt) for e in episodes]  # each row's ids in the cache, with the step about to run
+    room = (max(len(ids) for ids in held) + budget) // 2 if room is None else room
+    rebuilt = 0
     input_ids, mask = left_padded([e.prompt for e in episodes], pad, device)
     cache = shared_prompts_cache(model, input_ids, mask, group) or DynamicCache(config=model.config)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
@@ -256,15 +264,21 @@ def play(
         places = torch.tensor([min(len(episodes[r].ids), budget - 1) for r in live.tolist()])
         tokens = pick(logits, live, places)[:, 0].tolist()
         feeds = _recorded(episodes, live.tolist(), tokens, agent, budget)
-        if all_ended(len(feeds), synced, device):
-            return
+        ended, crowded = _agreed(len(feeds), _padding(attention, live.tolist(), feeds) > room, synced, device)
+        if ended:
+            return rebuilt
         if not feeds:  # decoded for the other processes' sake only (synced): one row, its output not recorded
             feeds = {int(live[0]): [tokens[0]]}
         kept = torch.tensor([n for n, row in enumerate(live.tolist()) if row in feeds])
         if len(kept) < len(live):
             cache.batch_select_indices(kept.to(device))
             live, attention = live[kept], attention[kept.to(device)]
+        if crowded:  # every process rebuilds together (each forward gathers parameters under FSDP)
+            cache, attention = _rebuilt(model, [held[row] for row in live.tolist()], pad, device)
+            rebuilt += 1
         step_ids, step_mask, step_positions = _step(live.tolist(), feeds, following, pad, device)
+        for row in live.tolist():
+            held[row] += feeds[row]
         attention = torch.cat([attention, step_mask], dim=1)
 
 
@@ -299,6 +313,38 @@ def _recorded(
         episode.turn_start = len(episode.ids)
         feeds[row] = [episode.ids[-len(answer) - 1], *answer]
     return feeds
+
+
+def _padding(attention: torch.Tensor, rows: list[int], feeds: dict[int, list[int]]) -> int:
+    """The columns of padding the fullest row of the cache would hold after the next step (0 without feeds)."""
+    if not feeds:
+        return 0
+    kept = [n for n, row in enumerate(rows) if row in feeds]
+    held = attention[kept].sum(-1).tolist()
+    longest = max(int(h) + len(feeds[rows[n]]) for h, n in zip(held, kept, strict=True))
+    return attention.shape[1] + max(len(feed) for feed in feeds.values()) - longest
+
+
+def _agreed(remaining: int, crowded: bool, synced: bool, device: torch.device) -> tuple[bool, bool]:
+    """Whether decoding stops (no row writes on any process) and whether the cache is rebuilt (it is crowded on
+    some process): one all-reduce a step in lock-step, as `all_ended`."""
+    if not synced:
+        return remaining == 0, crowded
+    everywhere = torch.tensor([remaining, int(crowded)], device=device)
+    torch.distributed.all_reduce(everywhere)
+    return int(everywhere[0]) == 0, bool(everywhere[1])
+
+
+def _rebuilt(
+    model: torch.nn.Module, held: list[list[int]], pad: int, device: torch.device
+) -> tuple[DynamicCache, torch.Tensor]:
+    """A cache of the ids each row holds, left-padded only to the longest (one forward), and its mask."""
+    input_ids, mask = left_padded(held, pad, device)
+    cache = DynamicCache(config=model.config)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+          logits_to_keep=1)  # fmt: skip
+    return cache, mask
 
 
 def _cut_turn(episode: Episode, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:

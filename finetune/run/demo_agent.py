@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,6 +35,20 @@ TEMPLATE = (
     "'arguments': call['function']['arguments']} | tojson }}{% endfor %}<|end|>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """How the demo's tokenizer writes conversations: its chat template and the special tokens it names."""
+
+    template: str = TEMPLATE
+    special_tokens: tuple[str, ...] = tuple(SPECIAL_TOKENS)
+    bos: str | None = "<|bos|>"
+    eos: str = "<|end|>"
+    pad: str = "<|pad|>"
+    vocab_size: int = 320
+    positions: int = 256
+    """The model's context (a vendor's template writes a long system turn around the tools)."""
 
 
 def stored_list(key: str) -> list[str]:
@@ -81,13 +96,14 @@ def _prompt(key: str) -> dict:
     return {"prompt": [{"role": "user", "content": f"reverse list {key}"}], "answer": answer}
 
 
-def build(workdir: str) -> None:
-    """Write agent/ under `workdir`: data/ (traces, prompts, held-out test prompts) and base/ (model and tokenizer);
-    reuses what a previous build wrote."""
-    root = Path(workdir) / "agent"
+def build(workdir: str, folder: str = "agent", chat: ChatFormat = ChatFormat()) -> Path:
+    """Write `folder` under `workdir`: data/ (traces, prompts, held-out test prompts) and base/ (model and tokenizer,
+    which writes conversations as `chat` says: the demo's own format unless a bench gives a vendor's); reuses what a
+    previous build wrote. Returns the folder."""
+    root = Path(workdir) / folder
     if (root / "base" / "config.json").exists():
         print(f"demo: reusing {root}/base and {root}/data")
-        return
+        return root
     numbers = random.Random(4321).sample(range(10_000), NUM_TEST + NUM_EVAL + NUM_TRACES + NUM_PROMPTS)
     keys = [" ".join(f"{n:04d}") for n in numbers]
     test, rest = keys[:NUM_TEST], keys[NUM_TEST:]
@@ -109,11 +125,11 @@ def build(workdir: str) -> None:
     }
     for name, rows in files.items():
         (data / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    tokenizer = _train_tokenizer(files["sft_train"] + files["sft_eval"])
+    tokenizer = _train_tokenizer(files["sft_train"] + files["sft_eval"], chat)
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+        num_key_value_heads=2, max_position_embeddings=chat.positions, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
     model = LlamaForCausalLM(config)
@@ -122,6 +138,7 @@ def build(workdir: str) -> None:
     tokenizer.save_pretrained(partial)
     partial.rename(root / "base")
     print(f"demo: wrote {root}/base ({model.num_parameters():,} parameters) and {root}/data")
+    return root
 
 
 def _tool_schema() -> dict:
@@ -132,21 +149,22 @@ def _tool_schema() -> dict:
     return schema
 
 
-def _train_tokenizer(rows: list[dict]) -> PreTrainedTokenizerFast:
+def _train_tokenizer(rows: list[dict], chat: ChatFormat) -> PreTrainedTokenizerFast:
     texts = []
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), chat_template=TEMPLATE)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), chat_template=chat.template)
     for row in rows:
         texts.append(wrapped.apply_chat_template(row["messages"], tools=row["tools"], tokenize=False))
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
+        vocab_size=chat.vocab_size, special_tokens=list(chat.special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
     tokenizer.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<|bos|>", eos_token="<|end|>", pad_token="<|pad|>",
-        chat_template=TEMPLATE,
+        tokenizer_object=tokenizer, bos_token=chat.bos, eos_token=chat.eos, pad_token=chat.pad,
+        chat_template=chat.template,
     )  # fmt: skip
 
 
