@@ -770,6 +770,11 @@ class RLConfig:
     tool_timeout: float = 30.0
     """Agents: seconds a tool call may take; past it the model reads a timeout error as the call's result."""
 
+    episode_timeout: float | None = None
+    """Agents: seconds an episode's tool calls may take in all (a turn's calls run at once: the turn takes its
+    slowest); a call is given what is left, and once nothing is, the model reads a timeout error for each call it
+    makes, no tool run. null: only rl.tool_timeout bounds them."""
+
     unfinished_reward: float | None = None
     """Agents: the reward of an episode that ends without an answer (its calls unreadable, at rl.max_turns, or at
     rl.max_new_tokens), instead of the rewards' (logged as rewards/unfinished); null: the rewards score it as any
@@ -835,6 +840,10 @@ class RLConfig:
             errors.append(f"rl.max_turns must be >= 1, got {self.max_turns}: the most model turns in an episode")
         if self.tool_timeout <= 0:
             errors.append(f"rl.tool_timeout must be > 0 seconds, got {self.tool_timeout}")
+        if self.episode_timeout is not None and self.episode_timeout <= 0:
+            errors.append(f"rl.episode_timeout must be > 0 seconds (or null), got {self.episode_timeout}")
+        if self.episode_timeout is not None and not self.agents:
+            errors.append("rl.episode_timeout bounds the tool calls of episodes, and this run makes none: remove it")
         if self.unfinished_reward is not None and not self.agents:
             errors.append(
                 "rl.unfinished_reward scores episodes that end without an answer, and this run has none (no rl.tools "

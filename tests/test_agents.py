@@ -206,13 +206,46 @@ def test_every_way_a_call_goes_wrong_is_the_result_the_model_reads_and_is_counte
         Call("slow", {"seconds": 30}),
     ]  # fmt: skip
     began = time.monotonic()
-    (outcomes,) = run_calls([(calls, tools)], timeout=0.5)
-    assert time.monotonic() - began < 5  # the hanging call did not hold the run
+    ((outcomes, took),) = run_calls([(calls, tools, 0.5)])
+    assert time.monotonic() - began < 5 and took == 0.5  # the hanging call did not hold the run
     assert [o.error for o in outcomes] == [None, "unknown", "error", "error", "error", "error", "timeout"]
     assert outcomes[0].text == "sunny and 22 degrees"
     assert "no tool named 'missing'" in outcomes[1].text and "not JSON" in outcomes[2].text
     assert "TypeError" in outcomes[3].text and "RuntimeError: the index is down" in outcomes[4].text
     assert "returned object, not text" in outcomes[5].text and "within 0.5 seconds" in outcomes[6].text
+
+
+def test_an_episode_s_calls_share_its_time_for_tools(tmp_path):
+    """rl.episode_timeout: each call is given what the episode has left (at most rl.tool_timeout); once nothing is
+    left, a call is answered with the timeout error at once, no tool run, and the episode goes on."""
+    from finetune.run import demo_agent
+
+    demo_agent.build(str(tmp_path))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "agent" / "base")
+    tool = tool_of(slow, "test")
+    agent = Agent(tokenizer, tool_template(tokenizer), [tool], None, 8, 0.6, [tokenizer.eos_token_id], 1.0)
+    episode = Episode([tokenizer.bos_token_id], {tool.name: tool}, [tool.schema])
+    call = '<|call|>{"name": "slow", "arguments": {"seconds": 30}}<|end|>'
+    began = time.monotonic()
+    for _ in range(3):
+        episode.turn_start = len(episode.ids)
+        episode.ids += tokenizer(call, add_special_tokens=False)["input_ids"]
+        (answer,) = agent.answers([episode])
+        assert answer and not episode.end  # the model reads the error and goes on
+    assert time.monotonic() - began < 1.8  # 0.6 s, then the 0.4 s left, then no call run
+    results = [m["content"] for m in episode.messages if m["role"] == "tool"]
+    assert "within 0.6 seconds" in results[0] and "within 0.4 seconds" in results[1], results
+    assert "the episode's time for tools is spent" in results[2] and episode.counts["timeout"] == 3
+    assert episode.tool_seconds == pytest.approx(1.0)
+    from finetune.config import load_recipe
+
+    refused = {
+        AGENT_GRPO: ("rl.episode_timeout=0", "must be > 0 seconds"),
+        REPO / "recipes" / "demo" / "tiny_llama_grpo.yaml": ("rl.episode_timeout=5", "this run makes none"),
+    }
+    for recipe, (override, message) in refused.items():
+        with pytest.raises(FinetuneError, match=message):
+            load_recipe(recipe, [override])
 
 
 def test_tools_and_environments_a_run_cannot_use_are_refused_in_one_line(tmp_path, monkeypatch):
@@ -540,5 +573,5 @@ def test_the_calculator_computes_arithmetic_and_refuses_everything_else():
         with pytest.raises((ValueError, ZeroDivisionError, SyntaxError)):
             calculate(expression)
     tools = {"calculate": tool_of(calculate, "rl.tools")}
-    ((outcome,),) = run_calls([([Call("calculate", {"expression": "1/0"})], tools)], 5.0)
+    (((outcome,), _),) = run_calls([([Call("calculate", {"expression": "1/0"})], tools, 5.0)])
     assert outcome.error == "error" and outcome.text.startswith("Error: ")

@@ -476,7 +476,7 @@ class GRPOBuilder:
         stops = stop_tokens(model, tokenizer)
         ends = [tokenizer.convert_tokens_to_ids(end) for end in template.ends if end in tokenizer.get_vocab()]
         return Agent(tokenizer, template, self.tools, self.environment, self.cfg.max_turns, self.cfg.tool_timeout,
-                     list(dict.fromkeys(stops + ends)))  # fmt: skip
+                     list(dict.fromkeys(stops + ends)), self.cfg.episode_timeout)  # fmt: skip
 
 
 def _share_prompts(models: list[torch.nn.Module]) -> tuple[bool, str]:

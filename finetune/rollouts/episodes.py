@@ -62,6 +62,8 @@ class Episode:
     """The episode as chat messages: assistant turns (with their tool_calls) and tool results, as TRL's rewards take
     a conversation's completion."""
     turn_start: int = 0
+    tool_seconds: float = 0.0
+    """What its calls took so far (a turn's calls run at once: its slowest)."""
     end: str = ""
     environment_reward: float | None = None
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("turns", "calls", "error", "unknown",
@@ -85,6 +87,8 @@ class Agent:
     timeout: float
     stops: list[int]
     """The ids that end a model's turn."""
+    episode_timeout: float | None = None
+    """Seconds an episode's calls may take in all (`rl.episode_timeout`; None: each call's `timeout` only)."""
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
@@ -149,10 +153,17 @@ class Agent:
             calls = self._turn(episode)
             if calls:
                 pending.append((n, calls))
-        outcomes = run_calls([(calls, episodes[n].tools) for n, calls in pending], self.timeout)
-        for (n, calls), results in zip(pending, outcomes, strict=True):
+        turns = run_calls([(calls, episodes[n].tools, self._time_left(episodes[n])) for n, calls in pending])
+        for (n, calls), (results, took) in zip(pending, turns, strict=True):
+            episodes[n].tool_seconds += took
             out[n] = self._answer(episodes[n], calls, results)
         return out
+
+    def _time_left(self, episode: Episode) -> float:
+        """The seconds each of the episode's next calls may take."""
+        if self.episode_timeout is None:
+            return self.timeout
+        return min(self.timeout, self.episode_timeout - episode.tool_seconds)
 
     def _turn(self, episode: Episode) -> list[Call]:
         """The model's turn just ended, read: its message recorded, its calls (none where the episode ends)."""

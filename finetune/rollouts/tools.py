@@ -26,7 +26,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers.utils import get_json_schema
@@ -167,43 +167,56 @@ class Outcome:
     """`error` (the tool raised, or its arguments or result were wrong), `unknown` (no such tool), `timeout`."""
 
 
-def run_calls(batches: list[tuple[list[Call], dict[str, Tool]]], timeout: float) -> list[list[Outcome]]:
-    """Each turn's calls (with the tools its episode may call) run at once in threads, each given `timeout`
-    seconds; their outcomes, turn by turn in order."""
-    started = []
-    for calls, tools in batches:
-        started.append([_started(call, tools) for call in calls])
-    deadline = time.monotonic() + timeout
-    return [[_finished(run, call, deadline, timeout) for run, call in zip(runs, calls, strict=True)]
-            for runs, (calls, _) in zip(started, batches, strict=True)]  # fmt: skip
+def run_calls(batches: list[tuple[list[Call], dict[str, Tool], float]]) -> list[tuple[list[Outcome], float]]:
+    """Each turn's calls (with the tools its episode may call, and the seconds each may take) run at once in
+    threads; their outcomes, turn by turn in order, and the seconds the turn's calls took (its slowest)."""
+    began = time.monotonic()
+    started = [[_started(call, tools, timeout) for call in calls] for calls, tools, timeout in batches]
+    turns = []
+    for runs, (calls, _, timeout) in zip(started, batches, strict=True):
+        outcomes = [_finished(run, call, began + timeout, timeout) for run, call in zip(runs, calls, strict=True)]
+        took = max([min(run.took, timeout) for run in runs if run.thread is not None], default=0.0)
+        turns.append((outcomes, took))
+    return turns
 
 
 @dataclass
 class _Run:
     thread: threading.Thread | None
     outcome: list[Outcome]
+    began: float = 0.0
+    ended: list[float] = field(default_factory=list)
+
+    @property
+    def took(self) -> float:
+        """Seconds the call ran (infinite while it runs: past its deadline, it took all it was given)."""
+        return self.ended[0] - self.began if self.ended else float("inf")
 
 
-def _started(call: Call, tools: dict[str, Tool]) -> _Run:
+def _started(call: Call, tools: dict[str, Tool], timeout: float) -> _Run:
     tool = tools.get(call.name)
     if tool is None:
         known = ", ".join(sorted(tools)) or "none"
         return _Run(None, [Outcome(f"Error: there is no tool named {call.name!r} (the tools: {known})", "unknown")])
     if call.arguments is None:
         return _Run(None, [Outcome(f"Error: the call of {call.name} could not be read: {call.problem}", "error")])
-    outcome: list[Outcome] = []
-    thread = threading.Thread(target=_call, args=(tool, call.arguments, outcome), daemon=True)
-    thread.start()
-    return _Run(thread, outcome)
+    if timeout <= 0:
+        spent = f"Error: {call.name} was not run: the episode's time for tools is spent"
+        return _Run(None, [Outcome(spent, "timeout")])
+    run = _Run(None, [], time.monotonic())
+    run.thread = threading.Thread(target=_call, args=(tool, call.arguments, run), daemon=True)
+    run.thread.start()
+    return run
 
 
-def _call(tool: Tool, arguments: dict[str, Any], outcome: list[Outcome]) -> None:
+def _call(tool: Tool, arguments: dict[str, Any], run: _Run) -> None:
     try:
         value = tool.function(**arguments)
     except Exception as exc:
-        outcome.append(Outcome(f"Error: {type(exc).__name__}: {first_line(exc)}", "error"))
-        return
-    outcome.append(_as_text(value, tool.name))
+        run.outcome.append(Outcome(f"Error: {type(exc).__name__}: {first_line(exc)}", "error"))
+    else:
+        run.outcome.append(_as_text(value, tool.name))
+    run.ended.append(time.monotonic())
 
 
 def _as_text(value: Any, name: str) -> Outcome:
