@@ -369,6 +369,8 @@ def test_episodes_sample_and_train_the_same_on_one_process_and_two(agent_runs):
     assert first["tools/call_frequency"] > 0.5 and first["episodes/turns"] > 1.5  # the SFT model calls the tool
     assert first["rewards/Lists/mean"] > 0 and "rewards/exact_match/mean" in first  # the environment's reward
     assert 0 <= first["tools/failure_frequency"] < 1 and "episodes/cut_ratio" in first
+    timed = next(m for m in two.metrics() if "loss" in m)  # decoding's wait for the tools, apart
+    assert 0 <= timed["generation/tool_seconds"] < timed["generation/seconds"]
     weights = [load_file(run.output_dir / "final" / "model.safetensors") for run in agent_runs]
     assert max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[0]) < 1e-5
     evaluated = [[m for m in run.metrics() if "eval_reward" in m] for run in agent_runs]

@@ -87,7 +87,7 @@ def test_make_bench_runs_every_comparison(tmp_path):
     assert set(distill["ratios"]) == {"off_finetune_ddp_table"}
     assert all(positive(v) for v in distill["ratios"]["off_finetune_ddp_table"].values())
     agent = results["agent"]  # episodes that call a tool against TRL's GRPOTrainer with tools
-    assert set(agent["median"]) == {"finetune_fsdp2", "finetune_ddp", "trl"}
+    assert set(agent["median"]) == {"finetune_fsdp2", "trl"}  # quick: FSDP2 alone of finetune's engines
     assert all(positive(v) for ratio in agent["ratios"].values() for v in ratio.values())
     assert all(positive(agent["median"][name]["written_tokens"]) for name in agent["median"])
 

@@ -36,6 +36,8 @@ def measure(bench: Bench) -> dict:
         "train.max_steps": steps, "data.eval_path": "null",
     }  # fmt: skip
     contenders = {"finetune_fsdp2": "fsdp2_full_shard.yaml", "finetune_ddp": "ddp.yaml"}
+    if bench.quick:  # one of each side
+        del contenders["finetune_ddp"]
     runs: dict[str, list[dict]] = {name: [] for name in [*contenders, "trl"]}
     (bench.work / "runs").mkdir(parents=True, exist_ok=True)
     for repeat in range(bench.repeats):
@@ -94,12 +96,14 @@ def _warm_agent(bench: Bench) -> tuple[Path, Path]:
         eos="<|im_end|>", pad="<|endoftext|>", vocab_size=512, positions=512,
     )  # fmt: skip
     root = demo_agent.build(str(bench.work), "agent-qwen", chat)
+    if bench.quick:  # the scripts run end to end: the base (its episodes seldom call) spares the SFT launch
+        return root / "base", root / "data" / "prompts_train.jsonl"
     warm = root / "run-sft" / "final"
     if not (warm / "config.json").exists():
         command, _ = bench.finetune_command(
             "agent-sft", bench.train_size, "fsdp2_full_shard.yaml", recipe=AGENT_SFT,
             **{"model.name_or_path": root / "base", "data.train_path": root / "data" / "sft_train.jsonl",
-               "data.max_length": 320, "train.max_steps": 10 if bench.quick else 150, "output.dir": root / "run-sft",
+               "data.max_length": 320, "train.max_steps": 150, "output.dir": root / "run-sft",
                "output.export": "true", "optim.lr": "3e-3", "optim.schedule": "cosine", "optim.warmup_steps": 10,
                "train.micro_batch_size": 8},
         )  # fmt: skip

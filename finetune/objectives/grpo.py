@@ -201,10 +201,12 @@ class GRPO:
         began = time.perf_counter()
         new_tokens, once = self.cfg.max_new_tokens, self.gather_once
         if self.agent is not None:
+            self.agent.waited = 0.0  # this rollout's wait for tools alone (an evaluation's episodes wait too)
             episodes = self._episodes(model, micro_batches, prompts, accelerator, sampling, generations)
             completions, wrote = [e.ids for e in episodes], [e.wrote for e in episodes]
             truncated = [e.end == "length" for e in episodes]
             self.window.add_episodes([e.counts for e in episodes], [e.end for e in episodes], [sum(w) for w in wrote])
+            self.window.tool_seconds += self.agent.waited
         else:
             completions = sample_rollout(
                 model, prompts, self.tokenizer, accelerator, new_tokens, sampling, once, generations, self.static

@@ -36,6 +36,8 @@ class RolloutWindow:
     generating_seconds: float = 0.0
     """Wall time this process spent generating, and the rollouts it generated, since the last log."""
     rollouts: int = 0
+    tool_seconds: float = 0.0
+    """Agents: of that generating time, what decoding spent waiting for tool calls."""
 
     # completions, their tokens, truncated ones, groups, groups all equal, reward sum, reward square sum,
     # scored completions; dynamic sampling's groups trained, dropped, and trained in steps it could not fill; per
@@ -85,14 +87,16 @@ class RolloutWindow:
         sums = accelerator.reduce(together, "sum").cpu().tolist()
         episodes = sums[len(self.sums) : len(self.sums) + len(self.episodes)]
         # The longest completion, and the slowest process's generation (the others wait for it).
-        most = torch.tensor([self.longest, self.generating_seconds], device=device, dtype=torch.float64)
+        most = [self.longest, self.generating_seconds, self.tool_seconds]
+        most = torch.tensor(most, device=device, dtype=torch.float64)
         if accelerator.num_processes > 1:
             torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-        longest, seconds = most.tolist()
+        longest, seconds, tool_seconds = most.tolist()
         rollouts = self.rollouts
         self.sums.zero_()
         self.episodes.zero_()
         self.longest, self.loss_sums, self.generating_seconds, self.rollouts = 0.0, None, 0.0, 0
+        self.tool_seconds = 0.0
         completions, tokens, truncated, groups, equal, total, squares, scored, trained, dropped, short = sums[:_BASE]
         values = {}
         if completions:  # a rollout since the last log (with num_iterations > 1, a step may train on an old one)
@@ -123,6 +127,7 @@ class RolloutWindow:
             values[f"rewards/{name}/std"] = _std(function_scored, function_total, function_squares)
         if episodes[0]:
             values |= _episode_metrics(*episodes)
+            values["generation/tool_seconds"] = tool_seconds / max(rollouts, 1)  # the slowest process's
         trained, low, high, kl = sums[-4:]
         values |= {
             "clip_ratio/low_mean": low / max(trained, 1), "clip_ratio/high_mean": high / max(trained, 1),

@@ -26,6 +26,7 @@ calls of a step's turns at once: a tool's time is the step's, and results never 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,8 @@ class Agent:
     """The ids that end a model's turn."""
     episode_timeout: float | None = None
     """Seconds an episode's calls may take in all (`rl.episode_timeout`; None: each call's `timeout` only)."""
+    waited: float = 0.0
+    """Seconds decoding waited for calls since the caller last reset it."""
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
@@ -153,7 +156,9 @@ class Agent:
             calls = self._turn(episode)
             if calls:
                 pending.append((n, calls))
+        began = time.monotonic()
         turns = run_calls([(calls, episodes[n].tools, self._time_left(episodes[n])) for n, calls in pending])
+        self.waited += time.monotonic() - began
         for (n, calls), (results, took) in zip(pending, turns, strict=True):
             episodes[n].tool_seconds += took
             out[n] = self._answer(episodes[n], calls, results)
