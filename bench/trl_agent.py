@@ -18,15 +18,12 @@ per episode (TRL's `completions/mean_length`, which with tools counts only those
 
 from __future__ import annotations
 
+import gc
 import sys
 
-import datasets
-import torch
 import torch.distributed as dist
-from peers import close_ddp, trainer_settings, write_steps
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from trl import GRPOConfig, GRPOTrainer
-from trl_grpo import StepClock
+from peers import close_ddp, write_steps
+from trl_grpo import trained
 
 from finetune.run import demo_agent
 
@@ -49,31 +46,18 @@ def main(
     model_dir: str, prompts_path: str, steps: int, prompts: int, generations: int, new_tokens: int, turns: int,
     out: str, seed: int,
 ):  # fmt: skip
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    data = datasets.load_dataset("json", data_files=prompts_path, split="train")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    settings = trainer_settings(out, prompts * generations, steps, 0)
-    del settings["max_length"]
-    settings["seed"] = seed
-    settings["logging_steps"] = 1
-    arguments = GRPOConfig(
-        **settings, learning_rate=1e-4, num_generations=generations, max_completion_length=new_tokens,
-        temperature=1.0, top_p=1.0, beta=0.0, loss_type="dapo", disable_dropout=True, log_completions=False,
-        gradient_checkpointing=False, max_tool_calling_iterations=turns - 1,
+    trainer = trained(
+        model_dir, prompts_path, steps, prompts, generations, new_tokens, out, seed, reversed_exactly,
+        gradient_checkpointing=False, max_tool_calling_iterations=turns - 1, tools=[lookup],
     )  # fmt: skip
-    clock = StepClock()
-    trainer = GRPOTrainer(
-        model=model, args=arguments, train_dataset=data, processing_class=tokenizer, reward_funcs=reversed_exactly,
-        tools=[lookup], callbacks=[clock],
-    )  # fmt: skip
-    trainer.train()
     logged = [e for e in trainer.state.log_history if "completions/mean_length" in e]
     write_steps(
-        out, clock.step_seconds, prompts=[prompts * dist.get_world_size()] * len(clock.step_seconds),
+        out, trainer.clock.step_seconds, prompts=[prompts * dist.get_world_size()] * len(trainer.clock.step_seconds),
         completion_tokens_per_step=[e["completions/mean_length"] for e in logged],
         calls_per_step=[e.get("tools/call_frequency", 0.0) for e in logged],
     )  # fmt: skip
-    del trainer, model  # before the process group goes (close_ddp)
+    del trainer  # and the model it holds, before the process group goes (close_ddp)
+    gc.collect()
     close_ddp()
 
 

@@ -17,6 +17,7 @@ completion lengths vary widely from one draw to the next) and the lengths compar
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 
@@ -45,10 +46,12 @@ class StepClock(TrainerCallback):
         self.step_seconds.append(time.perf_counter() - self.began)
 
 
-def main(
+def trained(
     model_dir: str, prompts_path: str, steps: int, prompts: int, generations: int, new_tokens: int, out: str,
-    checkpointing: bool, seed: int,
-):  # fmt: skip
+    seed: int, reward, **options,
+) -> GRPOTrainer:  # fmt: skip
+    """GRPOTrainer run at the settings the module's docstring gives (and `options`: GRPOConfig's or the trainer's,
+    by name), each optimizer step timed (`trainer.clock`)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     data = datasets.load_dataset("json", data_files=prompts_path, split="train")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -56,24 +59,38 @@ def main(
     del settings["max_length"]  # GRPO's lengths are max_completion_length (prompts are whole)
     settings["seed"] = seed
     settings["logging_steps"] = 1  # each step's completion lengths (TRL averages its metrics over a logging window)
+    trainer_options = {name: options.pop(name) for name in ("tools",) if name in options}
     arguments = GRPOConfig(
         **settings, learning_rate=1e-4, num_generations=generations, max_completion_length=new_tokens,
-        temperature=1.0, top_p=1.0, beta=0.0, loss_type="dapo", disable_dropout=True, log_completions=False,
-        gradient_checkpointing=checkpointing,
+        temperature=1.0, top_p=1.0, beta=0.0, loss_type="dapo", disable_dropout=True, log_completions=False, **options,
     )  # fmt: skip
     clock = StepClock()
     trainer = GRPOTrainer(
-        model=model, args=arguments, train_dataset=data, processing_class=tokenizer, reward_funcs=reversed_exactly,
-        callbacks=[clock],
+        model=model, args=arguments, train_dataset=data, processing_class=tokenizer, reward_funcs=reward,
+        callbacks=[clock], **trainer_options,
     )  # fmt: skip
+    trainer.clock = clock
     trainer.train()
+    return trainer
+
+
+def main(
+    model_dir: str, prompts_path: str, steps: int, prompts: int, generations: int, new_tokens: int, out: str,
+    checkpointing: bool, seed: int,
+):  # fmt: skip
+    trainer = trained(
+        model_dir, prompts_path, steps, prompts, generations, new_tokens, out, seed, reversed_exactly,
+        gradient_checkpointing=checkpointing,
+    )  # fmt: skip
+    clock = trainer.clock
     answered = [prompts * dist.get_world_size()] * len(clock.step_seconds)
     lengths = [e["completions/mean_length"] for e in trainer.state.log_history if "completions/mean_length" in e]
     write_steps(
         out, clock.step_seconds, prompts=answered, completion_tokens=sum(lengths) / max(len(lengths), 1),
         completion_tokens_per_step=lengths,
     )  # fmt: skip
-    del trainer, model  # before the process group goes (close_ddp)
+    del trainer  # and the model it holds, before the process group goes (close_ddp)
+    gc.collect()
     close_ddp()
 
 
