@@ -20,8 +20,8 @@ episode's room (the longest prompt and the budget), the cache is rebuilt from th
 (one forward, as a prompt's), so a cache never holds more than one and a half times its rows' longest context.
 Each sampled id draws the row's uniform number at its place in the episode, so an episode is the same whatever
 else shares its batch or process. Under FSDP the processes decode in lock-step, a process with nothing left
-decoding an unrecorded row, as in `complete`. Tools run while decoding waits, all the
-calls of a step's turns at once: a tool's time is the step's, and results never depend on which finishes first.
+decoding an unrecorded row, as in `complete`. Tools run while decoding waits, all the calls of a step's turns at
+once: a tool's time is the step's, and results never depend on which finishes first.
 """
 
 from __future__ import annotations
