@@ -39,7 +39,14 @@ from finetune.data.prompt_only import offered_tools
 from finetune.data.prompts import content_text, prompt_tokens
 from finetune.engine.processes import raised_together
 from finetune.errors import FinetuneError, first_line
-from finetune.rollouts.generation import Sampling, generating, left_padded, picker, shared_prompts_cache
+from finetune.rollouts.generation import (
+    Sampling,
+    generating,
+    left_padded,
+    picker,
+    prefilled,
+    shared_prompts_cache,
+)
 from finetune.rollouts.tool_calls import Call, ToolTemplate
 from finetune.rollouts.tools import EnvironmentFactory, Outcome, Tool, close_environments, run_calls
 
@@ -356,11 +363,7 @@ def _rebuilt(
 ) -> tuple[DynamicCache, torch.Tensor]:
     """A cache of the ids each row holds, left-padded only to the longest (one forward), and its mask."""
     input_ids, mask = left_padded(held, pad, device)
-    cache = DynamicCache(config=model.config)
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
-          logits_to_keep=1)  # fmt: skip
-    return cache, mask
+    return prefilled(model, input_ids, mask), mask
 
 
 def _cut_turn(episode: Episode, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:

@@ -342,13 +342,18 @@ def shared_prompts_cache(
     state-space or hybrid model's)."""
     if (group < 2 and shared_only) or input_ids.shape[1] < 2 or not model._supports_default_dynamic_cache():
         return None
-    prompts, prompt_mask = input_ids[::group, :-1], mask[::group, :-1]
-    # The positions generate gives left-padded rows: counted over the real tokens (padding's are never seen).
-    positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
-    cache = DynamicCache(config=model.config)
-    model(input_ids=prompts, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache, use_cache=True,
-          logits_to_keep=1)  # fmt: skip
+    cache = prefilled(model, input_ids[::group, :-1], mask[::group, :-1])
     cache.batch_repeat_interleave(group)
+    return cache
+
+
+def prefilled(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor) -> DynamicCache:
+    """The KV cache of left-padded rows (`mask`: 1 on real tokens), one forward."""
+    # The positions generate gives left-padded rows: counted over the real tokens (padding's are never seen).
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+          logits_to_keep=1)  # fmt: skip
     return cache
 
 
