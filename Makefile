@@ -53,10 +53,10 @@ endif
 
 # The SFT demo's paths under DEMO_DIR (the recipe's own are outputs/demo's).
 DEMO_SFT := data.train_path=$(DEMO_DIR)/data/train.jsonl data.eval_path=$(DEMO_DIR)/data/eval.jsonl
+DEMO_RUN = model.name_or_path=$(DEMO_DIR)/base $(DEMO_SFT) output.dir=$(DEMO_DIR)/run
 demo: $(STAMP) ## offline demo: build a tiny Llama and data, fine-tune with FSDP2, export, compare
 	$(OFFLINE) $(PY) -m finetune demo build --dir $(DEMO_DIR)
-	$(MAKE) --no-print-directory train-tiny ARGS="model.name_or_path=$(DEMO_DIR)/base $(DEMO_SFT) \
-		output.dir=$(DEMO_DIR)/run $(ARGS)"
+	$(MAKE) --no-print-directory train-tiny ARGS="$(DEMO_RUN) $(ARGS)"
 	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run
 
 # The same demo with LoRA instead of full fine-tuning: rank-64 adapters on every linear layer and a
@@ -75,7 +75,7 @@ DEMO_DPO := model.name_or_path=$(DEMO_DIR)/run/final data.train_path=$(DEMO_DIR)
 	optim.lr=5e-5 optim.warmup_steps=5 train.max_steps=60 train.eval_every_steps=30 train.log_every_steps=10
 demo-dpo: $(STAMP) ## the demo's second stage: DPO of the SFT model on correct-vs-near-miss pairs; report before/after
 	$(OFFLINE) $(PY) -m finetune demo build --dir $(DEMO_DIR)
-	@test -f $(DEMO_DIR)/run/final/config.json || $(MAKE) --no-print-directory train-tiny
+	@test -f $(DEMO_DIR)/run/final/config.json || $(MAKE) --no-print-directory train-tiny ARGS="$(DEMO_RUN)"
 	$(MAKE) --no-print-directory train-tiny ARGS="output.dir=$(DEMO_DIR)/run-dpo $(DEMO_DPO) $(ARGS)"
 	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run-dpo --before $(DEMO_DIR)/run/final
 
@@ -92,21 +92,33 @@ demo-grpo: $(STAMP) ## online RL on the demo: GRPO of a partly trained reverser,
 	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run-grpo \
 		--before $(DEMO_DIR)/run-partial/final
 
-# Distillation on the demo: the SFT run's export (made first if missing) teaches a student of half its layers and width
-# (recipes/demo/tiny_llama_distill.yaml); the same student trained by SFT for the same 100 steps, then distilled on the
-# data's replies alone (off-policy) and with half the steps on its own completions; the report compares each with SFT.
-DEMO_STUDENT := model.name_or_path=$(DEMO_DIR)/student train.max_steps=100 train.eval_every_steps=50
-demo-distill: $(STAMP) ## distillation on the demo: the trained model teaches a half-size student; report vs SFT
-	$(OFFLINE) $(PY) -m finetune demo build --dir $(DEMO_DIR)
-	@test -f $(DEMO_DIR)/run/final/config.json || $(MAKE) --no-print-directory train-tiny
-	$(MAKE) --no-print-directory train-tiny ARGS="output.dir=$(DEMO_DIR)/run-student-sft $(DEMO_STUDENT) $(ARGS)"
-	$(MAKE) --no-print-directory train-tiny DEMO_RECIPE=recipes/demo/tiny_llama_distill.yaml \
-		ARGS="output.dir=$(DEMO_DIR)/run-distill-off distill.on_policy_fraction=0 distill.max_new_tokens=null $(ARGS)"
-	$(MAKE) --no-print-directory train-tiny DEMO_RECIPE=recipes/demo/tiny_llama_distill.yaml ARGS="$(ARGS)"
-	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run-distill-off \
-		--before $(DEMO_DIR)/run-student-sft/final
-	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run-distill \
-		--before $(DEMO_DIR)/run-student-sft/final
+# Distillation on the demo (docs/distillation.md): the SFT run's export (made first if missing) teaches a student of
+# half its layers and width. One warm student (60 SFT steps from random init), then 100 more steps of each of SFT,
+# off-policy distillation (the data's replies) and on-policy distillation (recipes/demo/tiny_llama_distill.yaml: the
+# student's own completions, graded by the teacher); then the same on training data with DISTILL_NOISE of its replies
+# wrong, which the teacher (trained on correct ones) knows better than. Each case's report compares them.
+DISTILL_NOISE ?= 0.33
+# Inside distill_case: $(1) the case (clean or noisy), $(2) its training data.
+DISTILL_DATA = data.train_path=$(2) data.eval_path=$(DEMO_DIR)/data/eval.jsonl
+DISTILL_WARM = model.name_or_path=$(DEMO_DIR)/distill/$(1)/warm/final $(DISTILL_DATA) train.max_steps=100 \
+	train.eval_every_steps=50
+DISTILLED = DEMO_RECIPE=recipes/demo/tiny_llama_distill.yaml ARGS="$(DISTILL_WARM) distill.teacher=$(DEMO_DIR)/run/final
+define distill_case
+	$(MAKE) --no-print-directory train-tiny ARGS="model.name_or_path=$(DEMO_DIR)/student $(DISTILL_DATA) \
+		train.max_steps=60 train.eval_every_steps=60 output.dir=$(DEMO_DIR)/distill/$(1)/warm $(ARGS)"
+	$(MAKE) --no-print-directory train-tiny ARGS="$(DISTILL_WARM) output.dir=$(DEMO_DIR)/distill/$(1)/sft $(ARGS)"
+	$(MAKE) --no-print-directory train-tiny $(DISTILLED) distill.on_policy_fraction=0 distill.max_new_tokens=null \
+		output.dir=$(DEMO_DIR)/distill/$(1)/off-policy $(ARGS)"
+	$(MAKE) --no-print-directory train-tiny $(DISTILLED) output.dir=$(DEMO_DIR)/distill/$(1)/on-policy $(ARGS)"
+	$(OFFLINE) $(PY) -m finetune demo report-distill --dir $(DEMO_DIR) --case "$(1) data" \
+		--before $(DEMO_DIR)/distill/$(1)/warm/final --sft $(DEMO_DIR)/distill/$(1)/sft \
+		--distilled $(DEMO_DIR)/distill/$(1)/off-policy $(DEMO_DIR)/distill/$(1)/on-policy
+endef
+demo-distill: $(STAMP) ## distillation on the demo: SFT vs off- and on-policy distillation from a warm student, clean and noisy data
+	$(OFFLINE) $(PY) -m finetune demo build --dir $(DEMO_DIR) --noise $(DISTILL_NOISE)
+	@test -f $(DEMO_DIR)/run/final/config.json || $(MAKE) --no-print-directory train-tiny ARGS="$(DEMO_RUN)"
+	$(call distill_case,clean,$(DEMO_DIR)/data/train.jsonl)
+	$(call distill_case,noisy,$(DEMO_DIR)/data/train_noisy.jsonl)
 
 # Agents on the demo (finetune/run/demo_agent.py): lists stored under keys the model must look up with a tool
 # before reversing them; SFT on tool-using traces (recipes/demo/agent_sft.yaml), then GRPO over episodes that call

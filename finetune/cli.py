@@ -73,8 +73,12 @@ def main(argv: list[str] | None = None) -> int:
                     demo_agent.build(args.dir)
                 else:
                     demo_agent.report(args.dir, args.run, args.before)
+            elif args.action == "report-distill":
+                demo.report_distill(args.dir, args.before, args.sft, args.distilled, args.case)
+            elif args.action == "build":
+                demo.build(args.dir, args.noise)
             else:
-                demo.build(args.dir) if args.action == "build" else demo.report(args.dir, args.run, args.before)
+                demo.report(args.dir, args.run, args.before)
     except FinetuneError as exc:
         # Every rank hits the same user error; one copy of the message is enough, and rank 0 prints it.
         # torch's launcher stops all workers as soon as one exits with an error, so the others give rank 0
@@ -185,10 +189,17 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--wrap", help="fsdp_transformer_layer_cls_to_wrap, overriding the config's")
         sub.add_argument("--gpu-memory", default="80GB", help="memory of one device, e.g. 80GB, 24GiB")
     demo_parser = commands.add_parser("demo", help="the offline demo: build its base model and data, or report")
-    demo_parser.add_argument("action", choices=["build", "report", "build-agent", "report-agent"])
+    demo_parser.add_argument("action", choices=["build", "report", "report-distill", "build-agent", "report-agent"])
     demo_parser.add_argument("--dir", default="outputs/demo", help="demo working folder (base model and data)")
     demo_parser.add_argument("--run", default="outputs/demo/run", help="output.dir of the demo training run")
     demo_parser.add_argument(
-        "--before", help="report: the model the run started from (default: the demo's base), e.g. the SFT export"
+        "--before",
+        help="report, report-distill: the model the runs started from (default: the demo's base), e.g. the SFT export",
+    )
+    demo_parser.add_argument("--sft", help="report-distill: output.dir of the continued SFT run")
+    demo_parser.add_argument("--distilled", nargs="+", help="report-distill: output.dir of each distillation run")
+    demo_parser.add_argument("--case", default="clean data", help="report-distill: the case's name, printed")
+    demo_parser.add_argument(
+        "--noise", type=float, help="build: also write data/train_noisy.jsonl, this share of its replies wrong (0-1)"
     )
     return parser

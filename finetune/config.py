@@ -897,6 +897,14 @@ class DistillConfig:
     """Adds this x the cross-entropy of the trained tokens (the data's replies, or the model's own completions) to
     each token's divergence."""
 
+    estimator: Literal["full", "sampled"] = "full"
+    """full: the divergence over the whole vocabulary at every trained token. sampled: reverse KL estimated at the
+    tokens the student sampled alone (on-policy distillation's cheap form): each token's log q(x) - log p(x), the
+    student's log-probability of what it wrote minus the teacher's, trains as a negative advantage with the
+    policy-gradient loss, whose expected gradient is the reverse KL's; the teacher gives the sampled tokens'
+    log-probabilities only, no vocabulary-wide distribution. Needs divergence: reverse_kl and on_policy_fraction: 1
+    (only the student's own samples are drawn from it); start it from a student trained by SFT."""
+
     teacher_top_k: int | None = None
     """Off-policy only: the teacher's k most likely tokens at every trained position, with their log-probabilities,
     computed once before the first step and cached beside the tokenized data under a key of the teacher's weights,
@@ -940,6 +948,31 @@ class DistillConfig:
                           "remove it or set both")  # fmt: skip
         if self.sft_weight < 0:
             errors.append(f"distill.sft_weight must be >= 0, got {self.sft_weight}")
+        if self.estimator == "sampled":
+            errors += self._sampled_errors()
+        return errors
+
+    def _sampled_errors(self) -> list[str]:
+        """What the sampled estimator needs: reverse KL, of the student's own samples alone."""
+        errors = []
+        if self.divergence != "reverse_kl":
+            errors.append(
+                f"distill.estimator: sampled estimates KL(student || teacher) from the tokens the student sampled, "
+                f"which is divergence: reverse_kl, not {self.divergence}; set distill.divergence: reverse_kl, or "
+                "distill.estimator: full"
+            )
+        if self.on_policy_fraction != 1:
+            errors.append(
+                f"distill.estimator: sampled grades tokens the student sampled, but on_policy_fraction="
+                f"{self.on_policy_fraction} trains some steps on the data's replies, which it did not sample; set "
+                "distill.on_policy_fraction: 1 (train the student by SFT first for a warm start), or "
+                "distill.estimator: full"
+            )
+        if self.sft_weight > 0:
+            errors.append(
+                "distill.sft_weight adds the cross-entropy of the trained tokens, which with distill.estimator: "
+                "sampled are the student's own samples (it would only sharpen what it already says); remove it"
+            )
         return errors
 
 

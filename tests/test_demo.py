@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+import subprocess
+import sys
 
 from finetune.run import demo
 
@@ -27,3 +31,41 @@ def test_report_compares_base_and_exported_model(demo_assets, fsdp2_run, capsys)
     assert base and tuned, out
     assert float(tuned.group(1)) < 0.8 * float(base.group(1))
     assert int(base.group(2)) == 0
+
+
+def test_the_noisy_data_is_wrong_for_the_lists_below_the_fraction_alone(demo_assets, tmp_path, capsys):
+    """Distillation's second case (`finetune demo build --noise`): the lists whose first digit is below 10 x the
+    fraction get one wrong reply each (the same every time), every other list its correct one."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(demo_assets / "data" / "train.jsonl", data / "train.jsonl")
+    written = demo.write_noisy(data, 0.3)
+    clean = [json.loads(line)["messages"] for line in (data / "train.jsonl").read_text().splitlines()]
+    noisy = [json.loads(line)["messages"] for line in written.read_text().splitlines()]
+    wrong = 0
+    for (user, reply), (same_user, noisy_reply) in zip(clean, noisy, strict=True):
+        assert same_user == user
+        digits = user["content"].split()[1:]
+        assert reply["content"] == " ".join(reversed(digits))
+        if int(digits[0]) < 3:
+            wrong += 1
+            assert noisy_reply["content"] != reply["content"]
+            assert noisy_reply["content"].split()[:-2] == reply["content"].split()[:-2]
+        else:
+            assert noisy_reply == reply
+    assert 0.25 < wrong / len(clean) < 0.35
+    assert f"{wrong:,} of {len(clean):,} replies wrong" in capsys.readouterr().out
+    assert demo.write_noisy(data, 0.0).read_text() == (data / "train.jsonl").read_text()
+    assert sorted(p.name for p in data.iterdir()) == ["train.jsonl", "train_noisy.jsonl"]  # no partial file left
+
+
+def test_a_noise_outside_0_1_is_refused_in_one_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "finetune", "demo", "build", "--dir", str(tmp_path), "--noise", "1.5"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [
+        "finetune: error: --noise is the share of training replies made wrong, between 0 and 1; got 1.5"
+    ]
+    assert not any(tmp_path.iterdir())  # refused before anything is written

@@ -5,6 +5,7 @@ same completions and weights)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -18,7 +19,13 @@ from finetune.data.rollout import reply_prompts
 from finetune.engine.batch import IGNORE
 from finetune.errors import FinetuneError
 from finetune.objectives.distill import on_policy
-from finetune.objectives.divergence import Spec, distill_losses, token_divergence
+from finetune.objectives.divergence import (
+    Spec,
+    distill_losses,
+    sampled_reverse_kl,
+    sampled_token_losses,
+    token_divergence,
+)
 
 # ---- The loss against TRL's GKDTrainer.generalized_jsd_loss, on the same logits.
 
@@ -101,6 +108,75 @@ def test_the_chunked_path_equals_full_logits_in_loss_and_gradients(monkeypatch, 
     for name, grad in full_grads.items():
         torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     assert all(p.grad is None for p in teacher.parameters())
+
+
+@pytest.mark.parametrize("path", ["full_logits", "chunked"])
+def test_the_sampled_estimator_equals_its_reference_from_both_models_logits(monkeypatch, path):
+    """distill.estimator: sampled, on either path (chunks of 8 rows), against a reference written from both models'
+    whole logits at temperature 1.5: the loss is the sum of log q(x) - log p(x) at the trained tokens, and its
+    gradient that of sum (log q(x) - log p(x)) x log q(x) with the first factor constant (the policy gradient); the
+    teacher gets none. The Distill objective trains by it and reports its one metric."""
+    import finetune.objectives.loss
+    from finetune.config import DistillConfig
+    from finetune.objectives.distill import Distill
+    from finetune.objectives.loss import model_inputs
+
+    monkeypatch.setattr(finetune.objectives.loss, "chunk_rows", lambda vocab, device: 8)
+    teacher, student = _tiny(0, 32, 3), _tiny(1, 16, 2)
+    teacher.requires_grad_(False)
+    batch, temperature = _packed_batch(), 1.5
+    kept = batch["target_ids"].reshape(-1) != IGNORE
+    targets = batch["target_ids"].reshape(-1)[kept]
+
+    def logps(model):
+        logits = model(**model_inputs(model, batch), use_cache=False).logits.flatten(0, 1)[kept]  # samples apart
+        return torch.log_softmax(logits / temperature, dim=-1).gather(1, targets[:, None]).squeeze(1)
+
+    with torch.no_grad():
+        teacher_logps = logps(teacher)
+    student_logps = logps(student)
+    estimates = (student_logps - teacher_logps).detach()
+    (estimates * student_logps).sum().backward()
+    expected = {name: p.grad.clone() for name, p in student.named_parameters()}
+    student.zero_grad()
+
+    losses = sampled_reverse_kl(student, teacher, batch, path, Spec("reverse_kl", 0.5, temperature))
+    losses.total.backward()
+    torch.testing.assert_close(losses.divergence, estimates, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(losses.total, estimates.sum(), rtol=1e-5, atol=1e-6)
+    for name, p in student.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert all(p.grad is None for p in teacher.parameters())
+
+    cfg = DistillConfig(teacher="t", divergence="reverse_kl", temperature=temperature, on_policy_fraction=1,
+                        max_new_tokens=4, estimator="sampled")  # fmt: skip
+    total, metrics = Distill(cfg, path, teacher, None, 0, 16).loss(student, batch)
+    torch.testing.assert_close(total, estimates.sum(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics, estimates.sum().reshape(1), rtol=1e-5, atol=1e-6)
+
+
+def test_the_sampled_estimate_and_its_gradient_have_the_reverse_kl_s_expectation():
+    """Seeded Monte Carlo: 200,000 tokens drawn from the student's distribution at each of 3 positions; the mean
+    estimate is KL(q || p) and the mean gradient the gradient of KL(q || p) (with respect to the student's logits),
+    to within a few standard errors."""
+    generator = torch.Generator().manual_seed(0)
+    student = torch.randn(3, 7, generator=generator, dtype=torch.float64).requires_grad_()
+    teacher = torch.randn(3, 7, generator=generator, dtype=torch.float64) * 2
+    draws = 200_000
+    exact = _reverse_kl(student, teacher)
+    (exact_grad,) = torch.autograd.grad(exact.sum(), student)
+    log_q = torch.log_softmax(student, dim=-1)
+    tokens = torch.multinomial(log_q.exp().detach(), draws, replacement=True, generator=generator)  # (3, draws)
+    total, estimates = sampled_token_losses(log_q.gather(1, tokens), torch.log_softmax(teacher, -1).gather(1, tokens))
+    (grad,) = torch.autograd.grad(total / draws, student)
+    torch.testing.assert_close(estimates.mean(dim=1), exact.detach(), rtol=0, atol=0.02)
+    torch.testing.assert_close(grad, exact_grad, rtol=0, atol=0.02)
+    assert exact.min() > 0.1  # the two differ: an estimate of 0 would not pass
+
+
+def _reverse_kl(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    log_q, log_p = torch.log_softmax(student, dim=-1), torch.log_softmax(teacher, dim=-1)
+    return (log_q.exp() * (log_q - log_p)).sum(dim=-1)
 
 
 def test_a_lora_student_trains_its_adapters_alone_on_the_chunked_path():
@@ -318,6 +394,15 @@ def test_on_policy_steps_are_drawn_from_the_seed_and_step_alone():
             ["distill.teacher_top_k=8", "distill.on_policy_fraction=0.5", "distill.max_new_tokens=8"],
             "on-policy steps need it to grade the student's own completions, which no table holds",
         ),
+        *(
+            (["distill.estimator=sampled", "distill.on_policy_fraction=1", "distill.max_new_tokens=8", *more], message)
+            for more, message in (
+                (["distill.divergence=forward_kl"], "which is divergence: reverse_kl, not forward_kl"),
+                (["distill.divergence=jsd"], "which is divergence: reverse_kl, not jsd"),
+                (["distill.divergence=reverse_kl", "distill.on_policy_fraction=0.5"], "the data's replies, which it"),
+                (["distill.divergence=reverse_kl", "distill.sft_weight=0.1"], "distill.sft_weight adds the cross"),
+            )
+        ),
     ],
 )
 def test_distill_settings_a_run_cannot_honour_are_refused(overrides, message):
@@ -354,6 +439,24 @@ def distill_run(tmp_path_factory, demo_assets, partly_trained) -> LaunchedRun:
 def _per_step(run: LaunchedRun) -> dict[int, dict[str, float]]:
     timed = ("tokens_per_second", "step_seconds", "step", "fill", "generation/tokens_per_second")
     return {m["step"]: {k: v for k, v in m.items() if k not in timed} for m in run.metrics() if "loss" in m}
+
+
+@pytest.mark.multiprocess
+def test_the_demo_report_compares_each_distilled_run_with_sft_from_the_warm_student(
+    demo_assets, distill_run, fsdp2_run, capsys
+):
+    """`finetune demo report-distill` (make demo-distill's report): a line per model with its exact match, the
+    distilled run named by how it trained, and the best distillation's gain over SFT from those figures."""
+    from finetune.run import demo
+
+    demo.report_distill(str(demo_assets), str(demo_assets / "student"), str(fsdp2_run.output_dir),
+                        [str(distill_run.output_dir)], "clean data")  # fmt: skip
+    out = capsys.readouterr().out
+    distilled = "distilled 50% on-policy, jsd"  # the recipe's on_policy_fraction, the test's divergence
+    scores = dict(re.findall(rf"^(SFT, continued|{distilled})\s+[\d.]+\s+(\d+)/200", out, re.M))
+    assert set(scores) == {"SFT, continued", distilled}, out
+    gain = (int(scores[distilled]) - int(scores["SFT, continued"])) / 2
+    assert f"clean data: the best distillation ({distilled}) {gain:+.1f} points" in out
 
 
 @pytest.mark.multiprocess
@@ -445,6 +548,11 @@ def test_the_plan_counts_the_teacher_sharded_or_its_table_and_the_on_policy_roll
     # processes), each with a KV cache of data.max_length tokens in every layer, bf16.
     assert with_teacher.generation.kv_cache == 8 * 128 * shape.layers * 2 * shape.kv_hidden * 2
     assert tabled.generation is None and without.generation is None
+    # The sampled estimator: the teacher beside the model, but no copy of its head nor its hidden states.
+    sampled = load_recipe(DISTILL_RECIPE, [*settings, "distill.on_policy_fraction=1", "distill.estimator=sampled",
+                                           "distill.divergence=reverse_kl"])  # fmt: skip
+    estimated = estimate(recipe_shape(sampled), sampled, launch, "full_shard")
+    assert (estimated.parameters, estimated.activations) == (with_teacher.parameters, without.activations)
 
 
 def test_finetune_check_refuses_a_teacher_that_is_not_there_naming_the_setting(demo_assets, tmp_path):

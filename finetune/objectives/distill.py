@@ -15,6 +15,10 @@ count, and on resume), with probability `on_policy_fraction`:
   temperature with seeded noise (`finetune.rollouts.generation`) whose seed is the run's, the step's and the sample's
   place in the step's batch, never the process's: the same completions on any process count. GKD's on-policy
   distillation: the teacher grades what the student would say, token by token.
+
+With `estimator: sampled` every step is on-policy and a token's loss is the reverse KL's estimate at the token the
+student sampled (`finetune.objectives.divergence.sampled_reverse_kl`). Evaluation reports the divergence over the
+whole vocabulary on the held-out replies either way, so that runs of either estimator compare.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from finetune.engine.wrap import reshard
 from finetune.errors import FinetuneError
 from finetune.model.identity import same_weights
 from finetune.model.loading import base_fingerprint
-from finetune.objectives.divergence import Spec, TopK, distill_losses
+from finetune.objectives.divergence import Spec, TopK, distill_losses, sampled_reverse_kl
 from finetune.objectives.loss import LossPath, chunked_loss_unsupported, target_positions
 from finetune.objectives.reference import frozen_dtype, frozen_model
 from finetune.objectives.teacher_table import (
@@ -126,6 +130,9 @@ class Distill:
         return self.teacher
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cfg.estimator == "sampled":  # every step's tokens are the student's samples (the recipe says so)
+            losses = sampled_reverse_kl(model, self.teacher, batch, self.loss_path, self.spec)
+            return losses.total, losses.divergence.sum().reshape(1)
         losses = distill_losses(model, self.teacher_of(batch), batch, self.loss_path, self.spec)
         return losses.total, torch.stack([losses.divergence.sum(), losses.cross_entropy.sum()])
 
@@ -250,6 +257,8 @@ class DistillBuilder:
         objective = Distill(
             self.cfg, path, teacher, context.tokenizer, context.recipe.train.seed, self.data.max_length, once
         )
+        if self.cfg.estimator == "sampled":  # the student's own tokens: no cross-entropy to report
+            objective.metric_names = ("divergence",)
         return objective, lambda: None
 
     def _table(self, context) -> TeacherTable:

@@ -19,6 +19,11 @@ copy of its output weight, taken inside its forward (where FSDP has gathered it)
 in the forward by autograd over that chunk's logits alone: the loss is a sum of token losses, so backward only
 scales them.
 
+The sampled estimator (`distill.estimator: sampled`, `sampled_reverse_kl`) replaces the vocabulary-wide reverse KL
+on the student's own completions by its one-sample estimate at the token the student wrote, log q(x) - log p(x),
+trained as a negative advantage with the policy-gradient loss: both models give the sampled tokens' log-probabilities
+alone (`finetune.objectives.loss.token_logps`, a chunk of rows at a time on the chunked path).
+
 A precomputed teacher (`distill.teacher_top_k`, `finetune.objectives.teacher_table`) gives its k most likely tokens
 and their log-probabilities instead of logits: the divergence is then over those k tokens, both distributions
 renormalized on them (the student's logits gathered at the teacher's ids), on either path.
@@ -36,7 +41,15 @@ import torch
 import torch.nn.functional as F
 
 from finetune.engine.batch import Batch
-from finetune.objectives.loss import LossPath, chunk_rows, head_forward, model_inputs, output_head, target_positions
+from finetune.objectives.loss import (
+    LossPath,
+    chunk_rows,
+    head_forward,
+    model_inputs,
+    output_head,
+    target_positions,
+    token_logps,
+)
 
 Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
 
@@ -142,6 +155,29 @@ def distill_losses(
     with head_forward(head, forward):
         total = student(**model_inputs(student, batch), use_cache=False, logits_to_keep=0).logits.reshape(())
     return TokenLosses(total, *parts)
+
+
+def sampled_reverse_kl(student: torch.nn.Module, teacher: torch.nn.Module, batch: Batch, path: LossPath,
+                       spec: Spec) -> TokenLosses:  # fmt: skip
+    """Reverse KL estimated at the tokens the student sampled (the batch's targets, its own completions at
+    `spec.temperature`): per token k = log q(x) - log p(x), an unbiased estimate of KL(q || p) at that position, and
+    k x grad log q(x) (k held constant) an unbiased estimate of its gradient, since the expectation of grad log q
+    under q is 0. The returned total's value is the sum of the estimates and its gradient the sum of those
+    policy-gradient terms: the negative advantage -k of each token, with the importance ratio of a fresh sample, 1.
+    No cross-entropy (the tokens are the student's own): `cross_entropy` is empty."""
+    with torch.no_grad():
+        teacher_logps = token_logps(teacher, batch, path, spec.temperature)
+    total, estimates = sampled_token_losses(token_logps(student, batch, path, spec.temperature), teacher_logps)
+    return TokenLosses(total, estimates, estimates.new_zeros(0))
+
+
+def sampled_token_losses(
+    student_logps: torch.Tensor, teacher_logps: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(total, estimates) of sampled tokens' log-probabilities under each model: the estimates log q - log p
+    (detached), and a total whose value is their sum and whose gradient is the sum of estimate x grad log q."""
+    estimates = (student_logps - teacher_logps).detach()
+    return (estimates + estimates * (student_logps - student_logps.detach())).sum(), estimates
 
 
 @contextlib.contextmanager

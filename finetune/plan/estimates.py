@@ -222,8 +222,10 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
     transient = backward_bytes(shape, tokens, compute_bytes, tile) + exchange_bytes(
         shape, tokens, compute_bytes, launch.sequence_parallel
     )
-    # A teacher's output weight, copied out of its forward, and its last hidden states, while the model trains.
-    transient += 0 if table else (shape.vocab + tokens) * shape.teacher_hidden * compute_bytes
+    # A teacher's output weight, copied out of its forward, and its last hidden states, while the model trains; the
+    # sampled estimator keeps neither: the teacher gives each trained token's log-probability from inside its forward.
+    sampled = recipe.distill is not None and recipe.distill.estimator == "sampled"
+    transient += 0 if table or sampled else (shape.vocab + tokens) * shape.teacher_hidden * compute_bytes
     activations, checkpointed, selective = (
         activation_bytes(shape, tokens, compute_bytes, policy, loss=recipe.train.loss_path, scores=scores, tile=tile)
         + transient

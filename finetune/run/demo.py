@@ -42,9 +42,18 @@ def make_example(rng: random.Random) -> dict:
     }
 
 
-def build(workdir: str) -> None:
-    """Write data/, base/ (model + tokenizer) under `workdir`; reuses what a previous build wrote."""
+def build(workdir: str, noise: float | None = None) -> None:
+    """Write data/, base/ (model + tokenizer) under `workdir`; reuses what a previous build wrote. With `noise`,
+    also data/train_noisy.jsonl (`write_noisy`)."""
+    if noise is not None and not 0 <= noise <= 1:
+        raise FinetuneError(f"--noise is the share of training replies made wrong, between 0 and 1; got {noise}")
     root = Path(workdir)
+    _build(root)
+    if noise is not None:
+        write_noisy(root / "data", noise)
+
+
+def _build(root: Path) -> None:
     if (root / "base" / "config.json").exists():
         print(f"demo: reusing {root}/base and {root}/data")
         _write_pairs(root / "data")  # a build from before the preference data had none
@@ -116,21 +125,59 @@ def _write_data(data_dir: Path) -> dict[str, list[dict]]:
     return splits
 
 
+def near_miss(reply: str, rng: random.Random) -> str:
+    """A wrong reversal close to `reply`: two neighbouring digits of it swapped (or, where they are equal, one of them
+    changed)."""
+    digits = reply.split()
+    wrong = list(digits)
+    i = rng.randrange(len(wrong) - 1)
+    wrong[i], wrong[i + 1] = wrong[i + 1], wrong[i]
+    if wrong == digits:
+        wrong[i] = str((int(wrong[i]) + 1) % 10)
+    return " ".join(wrong)
+
+
 def _write_pairs(data_dir: Path) -> None:
     """Preference pairs for `make demo-dpo` (pairs_train.jsonl, pairs_eval.jsonl), from the train and eval
-    lists: the correct reversal preferred over a near miss (two neighbouring digits of it swapped)."""
+    lists: the correct reversal preferred over a near miss."""
     rng = random.Random(99)
 
     def pair(user: dict, reply: dict) -> dict:
-        digits = reply["content"].split()
-        wrong = list(digits)
-        i = rng.randrange(len(wrong) - 1)
-        wrong[i], wrong[i + 1] = wrong[i + 1], wrong[i]
-        if wrong == digits:  # equal neighbours: change one digit instead
-            wrong[i] = str((int(wrong[i]) + 1) % 10)
-        return {"prompt": [user], "chosen": [reply], "rejected": [{"role": "assistant", "content": " ".join(wrong)}]}
+        rejected = {"role": "assistant", "content": near_miss(reply["content"], rng)}
+        return {"prompt": [user], "chosen": [reply], "rejected": [rejected]}
 
     _derive(data_dir, "pairs", pair)
+
+
+def write_noisy(data_dir: Path, fraction: float) -> Path:
+    """data/train_noisy.jsonl: the training lists, with the replies of about `fraction` of them wrong the same way
+    every time (a systematic labelling error, which SFT learns as a rule): the lists whose first digit is below
+    10 x fraction (rounded: 0.3 takes 0, 1 and 2) reversed with their last two digits swapped (or, where those are
+    equal, the last one changed). The distillation demo's second case: a teacher trained on the correct replies
+    knows more than this data. Rewritten at every call (the fraction may differ), atomically."""
+    below = round(10 * fraction)
+    lines, wrong = [], 0
+    for line in (data_dir / "train.jsonl").read_text().splitlines():
+        example = json.loads(line)
+        user, reply = example["messages"]
+        if int(user["content"].split()[1]) < below:
+            example["messages"][1] = {**reply, "content": _swap_last(reply["content"])}
+            wrong += 1
+        lines.append(json.dumps(example) + "\n")
+    target = data_dir / "train_noisy.jsonl"
+    partial = target.with_suffix(".partial")
+    partial.write_text("".join(lines))
+    partial.replace(target)
+    print(f"demo: wrote {target} ({wrong:,} of {len(lines):,} replies wrong: the lists whose first digit is below "
+          f"{below}, their last two digits swapped)")  # fmt: skip
+    return target
+
+
+def _swap_last(reply: str) -> str:
+    digits = reply.split()
+    if digits[-1] == digits[-2]:
+        return " ".join([*digits[:-1], str((int(digits[-1]) + 1) % 10)])
+    return " ".join([*digits[:-2], digits[-1], digits[-2]])
 
 
 def _write_prompts(data_dir: Path) -> None:
@@ -225,6 +272,35 @@ def report(workdir: str, output_dir: str = "outputs/demo/run", before: str | Non
     for prompt, expected, answer in rows[-1][3][:5]:
         mark = "ok " if answer == expected else "bad"
         print(f"  [{mark}] {prompt!r} -> {answer!r} (expected {expected!r})")
+
+
+def report_distill(workdir: str, warm: str, sft: str, distilled: list[str], case: str) -> None:
+    """The distillation demo's comparison at equal steps from one warm student: the warm student, its continued SFT
+    and each distilled run, on the held-out test set (loss per answer token, exact match); then the best
+    distillation against SFT, in points of exact match."""
+    examples = [json.loads(line) for line in (Path(workdir) / "data" / "test.jsonl").read_text().splitlines()]
+    runs = [("warm student (SFT start)", Path(warm)), ("SFT, continued", exported_model(Path(sft)))]
+    for run in map(Path, distilled):
+        saved = yaml.safe_load((run / "recipe.yaml").read_text())["distill"]
+        fraction = saved["on_policy_fraction"]
+        how = "off-policy" if fraction == 0 else "on-policy" if fraction == 1 else f"{fraction:.0%} on-policy"
+        runs.append((f"distilled {how}, {saved['divergence']}", exported_model(run)))
+    tokenizer = AutoTokenizer.from_pretrained(runs[1][1])
+    print(f"\n{case}: held-out test set of {len(examples)} lists never seen in training, each run from the warm "
+          "student for the same steps\n")  # fmt: skip
+    print(f"{'model':<36}{'loss/answer token':>20}{'exact match':>20}")
+    scores = []
+    for label, folder in runs:
+        if not (folder / "config.json").exists():
+            raise FinetuneError(f"{folder} holds no model; run `make demo-distill` (it trains and exports each run)")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        correct, _ = _exact_match(model, tokenizer, examples)
+        scores.append(correct)
+        score = f"{correct}/{len(examples)} ({100 * correct / len(examples):.1f}%)"
+        print(f"{label:<36}{_answer_loss(model, tokenizer, examples):>20.4f}{score:>20}")
+    best = max(range(2, len(runs)), key=lambda i: scores[i])
+    gain = 100 * (scores[best] - scores[1]) / len(examples)
+    print(f"\n{case}: the best distillation ({runs[best][0]}) {gain:+.1f} points of exact match against SFT")
 
 
 @torch.no_grad()
