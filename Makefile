@@ -93,19 +93,20 @@ demo-grpo: $(STAMP) ## online RL on the demo: GRPO of a partly trained reverser,
 		--before $(DEMO_DIR)/run-partial/final
 
 # Distillation on the demo (docs/distillation.md): the SFT run's export (made first if missing) teaches a student of
-# half its layers and width. One warm student (60 SFT steps from random init), then 100 more steps of each of SFT,
-# off-policy distillation (the data's replies) and on-policy distillation (recipes/demo/tiny_llama_distill.yaml: the
-# student's own completions, graded by the teacher); then the same on training data with DISTILL_NOISE of its replies
-# wrong, which the teacher (trained on correct ones) knows better than. Each case's report compares them.
-DISTILL_NOISE ?= 0.33
+# half its layers and width. One warm student (100 SFT steps from random init), then 50 more steps of each of SFT,
+# off-policy distillation (the data's replies graded by the teacher) and on-policy distillation
+# (recipes/demo/tiny_llama_distill.yaml: the student's own completions graded); first on the demo's data, then on
+# data where DISTILL_NOISE of the lists have a wrong reply (the same error every time), which the teacher, trained
+# on correct replies, knows better than. A report for each case.
+DISTILL_NOISE ?= 0.3
 # Inside distill_case: $(1) the case (clean or noisy), $(2) its training data.
 DISTILL_DATA = data.train_path=$(2) data.eval_path=$(DEMO_DIR)/data/eval.jsonl
-DISTILL_WARM = model.name_or_path=$(DEMO_DIR)/distill/$(1)/warm/final $(DISTILL_DATA) train.max_steps=100 \
+DISTILL_WARM = model.name_or_path=$(DEMO_DIR)/distill/$(1)/warm/final $(DISTILL_DATA) train.max_steps=50 \
 	train.eval_every_steps=50
 DISTILLED = DEMO_RECIPE=recipes/demo/tiny_llama_distill.yaml ARGS="$(DISTILL_WARM) distill.teacher=$(DEMO_DIR)/run/final
 define distill_case
 	$(MAKE) --no-print-directory train-tiny ARGS="model.name_or_path=$(DEMO_DIR)/student $(DISTILL_DATA) \
-		train.max_steps=60 train.eval_every_steps=60 output.dir=$(DEMO_DIR)/distill/$(1)/warm $(ARGS)"
+		train.max_steps=100 train.eval_every_steps=100 output.dir=$(DEMO_DIR)/distill/$(1)/warm $(ARGS)"
 	$(MAKE) --no-print-directory train-tiny ARGS="$(DISTILL_WARM) output.dir=$(DEMO_DIR)/distill/$(1)/sft $(ARGS)"
 	$(MAKE) --no-print-directory train-tiny $(DISTILLED) distill.on_policy_fraction=0 distill.max_new_tokens=null \
 		output.dir=$(DEMO_DIR)/distill/$(1)/off-policy $(ARGS)"

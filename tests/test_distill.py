@@ -423,6 +423,7 @@ def _distill(tmp_path_factory, assets, teacher, name: str, processes: int, outpu
         "train.max_steps": 4, "train.eval_every_steps": 4, "train.log_every_steps": 1, "optim.warmup_steps": 0,
         "train.global_batch_size": 8, "train.micro_batch_size": 4, "checkpoint.save_every_steps": 2,
         "distill.divergence": "jsd", "distill.beta": 0.3, "distill.temperature": 1.5, "distill.sft_weight": 0.2,
+        "distill.on_policy_fraction": 0.5,  # both kinds of steps in one run
         **extra,
     }  # fmt: skip
     config = config or ("single_gpu.yaml" if processes == 1 else "fsdp2_full_shard.yaml")
@@ -452,7 +453,7 @@ def test_the_demo_report_compares_each_distilled_run_with_sft_from_the_warm_stud
     demo.report_distill(str(demo_assets), str(demo_assets / "student"), str(fsdp2_run.output_dir),
                         [str(distill_run.output_dir)], "clean data")  # fmt: skip
     out = capsys.readouterr().out
-    distilled = "distilled 50% on-policy, jsd"  # the recipe's on_policy_fraction, the test's divergence
+    distilled = "distilled 50% on-policy, jsd"  # the run's on_policy_fraction and divergence
     scores = dict(re.findall(rf"^(SFT, continued|{distilled})\s+[\d.]+\s+(\d+)/200", out, re.M))
     assert set(scores) == {"SFT, continued", distilled}, out
     gain = (int(scores[distilled]) - int(scores["SFT, continued"])) / 2
@@ -544,7 +545,7 @@ def test_the_plan_counts_the_teacher_sharded_or_its_table_and_the_on_policy_roll
     tabled = estimate(recipe_shape(table), table, launch, "full_shard")
     assert (tabled.parameters, tabled.activations) == (without.parameters, without.activations)
     assert tabled.device_at_table >= with_teacher.parameters and without.device_at_table == 0
-    # On-policy steps (the recipe's fraction 0.5): a completion per row of the step (8 x 1 accumulation on each of 2
+    # On-policy steps (the recipe's): a completion per row of the step (8 x 1 accumulation on each of 2
     # processes), each with a KV cache of data.max_length tokens in every layer, bf16.
     assert with_teacher.generation.kv_cache == 8 * 128 * shape.layers * 2 * shape.kv_hidden * 2
     assert tabled.generation is None and without.generation is None

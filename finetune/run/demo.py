@@ -284,11 +284,12 @@ def report_distill(workdir: str, warm: str, sft: str, distilled: list[str], case
         saved = yaml.safe_load((run / "recipe.yaml").read_text())["distill"]
         fraction = saved["on_policy_fraction"]
         how = "off-policy" if fraction == 0 else "on-policy" if fraction == 1 else f"{fraction:.0%} on-policy"
-        runs.append((f"distilled {how}, {saved['divergence']}", exported_model(run)))
+        estimated = ", sampled" if saved.get("estimator") == "sampled" else ""
+        runs.append((f"distilled {how}, {saved['divergence']}{estimated}", exported_model(run)))
     tokenizer = AutoTokenizer.from_pretrained(runs[1][1])
     print(f"\n{case}: held-out test set of {len(examples)} lists never seen in training, each run from the warm "
           "student for the same steps\n")  # fmt: skip
-    print(f"{'model':<36}{'loss/answer token':>20}{'exact match':>20}")
+    print(f"{'model':<44}{'loss/answer token':>20}{'exact match':>20}")
     scores = []
     for label, folder in runs:
         if not (folder / "config.json").exists():
@@ -297,10 +298,11 @@ def report_distill(workdir: str, warm: str, sft: str, distilled: list[str], case
         correct, _ = _exact_match(model, tokenizer, examples)
         scores.append(correct)
         score = f"{correct}/{len(examples)} ({100 * correct / len(examples):.1f}%)"
-        print(f"{label:<36}{_answer_loss(model, tokenizer, examples):>20.4f}{score:>20}")
-    best = max(range(2, len(runs)), key=lambda i: scores[i])
-    gain = 100 * (scores[best] - scores[1]) / len(examples)
-    print(f"\n{case}: the best distillation ({runs[best][0]}) {gain:+.1f} points of exact match against SFT")
+        print(f"{label:<44}{_answer_loss(model, tokenizer, examples):>20.4f}{score:>20}")
+    best = max(scores[2:])
+    names = " = ".join(label for (label, _), score in zip(runs[2:], scores[2:], strict=True) if score == best)
+    gain = 100 * (best - scores[1]) / len(examples)
+    print(f"\n{case}: the best distillation ({names}) {gain:+.1f} points of exact match against SFT")
 
 
 @torch.no_grad()
