@@ -387,7 +387,7 @@ def test_on_policy_steps_are_drawn_from_the_seed_and_step_alone():
         (["distill.temperature=0"], "distill.temperature must be > 0"),
         (["distill.max_new_tokens=8"], "distill.max_new_tokens is read by on-policy steps only"),
         (["distill.on_policy_fraction=1", "distill.max_new_tokens=128"], "leaves no room for prompts"),
-        (["distill.teacher=outputs/demo/student"], "distill.teacher is the student's own model"),
+        (["distill.teacher=outputs/demo/distill/clean/warm/final"], "distill.teacher is the student's own model"),
         (["preference.loss=dpo"], "a distill section trains by its own objective; remove preference"),
         (["distill.teacher_top_k=0"], "distill.teacher_top_k must be >= 1"),
         (
