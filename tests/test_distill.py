@@ -5,8 +5,11 @@ same completions and weights)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -640,3 +643,19 @@ def test_launches_distillation_cannot_run_are_refused_before_anything_loads():
              "ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_SP_SIZE": "2"}  # fmt: skip
     problems = environment_problems(load_recipe(DISTILL_RECIPE, ["model.attn_implementation=varlen"]), split)
     assert any("distillation (distill) runs its teacher on whole rows" in p for p in problems), problems
+
+
+def test_the_signal_script_splits_each_completion_at_its_first_wrong_token(demo_assets, partly_trained):
+    """bench/distill_signal.py (docs/distillation.md, why on-policy steps learned less): the shares of the sampled
+    tokens before, at and after each completion's first wrong token add up to every token; a random student's
+    completions are wrong from their first token."""
+    from helpers import REPO
+
+    test_set = demo_assets / "data" / "test.jsonl"
+    command = [sys.executable, str(REPO / "bench" / "distill_signal.py"), "--student", str(demo_assets / "student"),
+               "--teacher", str(partly_trained), "--data", str(test_set), "--samples", "8"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    shares = dict(re.findall(r"^(before|first wrong|after)\s+([\d.]+)%", result.stdout, re.M))
+    assert "before" not in shares and abs(sum(map(float, shares.values())) - 100) < 0.2, result.stdout
+    assert "8 completions at temperature 1.0" in result.stdout
