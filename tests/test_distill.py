@@ -523,6 +523,27 @@ def test_a_teacher_table_computed_on_two_processes_is_read_back_by_a_resume_on_o
     assert evaluated == pytest.approx(evaluated_one) and evaluated["eval_divergence"] > 0
 
 
+def test_a_run_with_the_sampled_estimator_trains_on_its_samples_and_logs_the_estimate(
+    tmp_path_factory, demo_assets, partly_trained
+):
+    """distill.estimator: sampled in a real run (1 process, FSDP2, the chunked path): every step on-policy, the log's
+    divergence the estimate (no cross-entropy: the tokens are the student's own), the evaluation the full reverse
+    KL and cross-entropy on the held-out replies, and the student's weights changed."""
+    sampled = {"distill.estimator": "sampled", "distill.divergence": "reverse_kl", "distill.beta": 0.5,
+               "distill.sft_weight": 0, "distill.on_policy_fraction": 1, "distill.max_new_tokens": 8}  # fmt: skip
+    run = _distill(tmp_path_factory, demo_assets, partly_trained, "sampled", 1, None, "fsdp2_full_shard.yaml",
+                   **sampled, **{"checkpoint.save_every_steps": 0})  # fmt: skip
+    steps = _per_step(run)
+    assert sorted(steps) == [1, 2, 3, 4] and all(steps[s]["on_policy"] == 1.0 for s in steps)
+    assert all("divergence" in steps[s] and "cross_entropy" not in steps[s] for s in steps)
+    assert all(steps[s]["loss"] == pytest.approx(steps[s]["divergence"]) for s in steps)
+    (evaluated,) = [m for m in run.metrics() if "eval_loss" in m]
+    assert evaluated["eval_divergence"] > 0 and evaluated["eval_cross_entropy"] > 0
+    final = load_file(run.output_dir / "final" / "model.safetensors")
+    start = load_file(demo_assets / "student" / "model.safetensors")
+    assert max((final[k] - start[k]).abs().max().item() for k in final) > 0
+
+
 def test_the_plan_counts_the_teacher_sharded_or_its_table_and_the_on_policy_rollouts(demo_assets):
     from helpers import CONFIGS
 
