@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from finetune.run import demo
 
+            _check_demo_options(args)
             if args.action in ("build-agent", "report-agent"):
                 from finetune.run import demo_agent
 
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     demo_agent.report(args.dir, args.run, args.before)
             elif args.action == "report-distill":
-                demo.report_distill(args.dir, args.before, args.sft, args.distilled, args.case)
+                demo.report_distill(args.dir, args.before, args.sft, args.distilled, args.case or "clean data")
             elif args.action == "build":
                 demo.build(args.dir, args.noise)
             else:
@@ -101,6 +102,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _PEER_GRACE_SECONDS = 10
+
+
+def _check_demo_options(args: argparse.Namespace) -> None:
+    """`finetune demo`'s options that only some actions read: refused with another (they would be ignored), and
+    report-distill's runs required."""
+    for option, actions in (("noise", ("build",)), ("sft", ("report-distill",)), ("distilled", ("report-distill",)),
+                            ("case", ("report-distill",))):  # fmt: skip
+        if getattr(args, option) is not None and args.action not in actions:
+            raise FinetuneError(f"--{option} is read by `finetune demo {' or '.join(actions)}` only, not "
+                                f"{args.action}; remove it")  # fmt: skip
+    missing = [f"--{name}" for name in ("before", "sft", "distilled") if getattr(args, name) is None]
+    if args.action == "report-distill" and missing:
+        raise FinetuneError(
+            f"finetune demo report-distill compares runs from one warm student: give {', '.join(missing)} (--before "
+            "the warm student's folder, --sft the continued SFT run's output.dir, --distilled each distilled run's)"
+        )
 
 
 def _rank() -> int:
@@ -198,7 +215,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo_parser.add_argument("--sft", help="report-distill: output.dir of the continued SFT run")
     demo_parser.add_argument("--distilled", nargs="+", help="report-distill: output.dir of each distillation run")
-    demo_parser.add_argument("--case", default="clean data", help="report-distill: the case's name, printed")
+    demo_parser.add_argument("--case", help="report-distill: the case's name, printed (default: clean data)")
     demo_parser.add_argument(
         "--noise", type=float, help="build: also write data/train_noisy.jsonl, this share of its replies wrong (0-1)"
     )

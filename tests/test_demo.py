@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from finetune.run import demo
 
 
@@ -59,13 +61,23 @@ def test_the_noisy_data_is_wrong_for_the_lists_below_the_fraction_alone(demo_ass
     assert sorted(p.name for p in data.iterdir()) == ["train.jsonl", "train_noisy.jsonl"]  # no partial file left
 
 
-def test_a_noise_outside_0_1_is_refused_in_one_line(tmp_path):
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["build", "--noise", "1.5"], "--noise is the share of training replies made wrong, between 0 and 1; got 1.5"),
+        (["report", "--noise", "0.3"], "--noise is read by `finetune demo build` only, not report; remove it"),
+        (["build", "--sft", "x"], "--sft is read by `finetune demo report-distill` only, not build; remove it"),
+        (
+            ["report-distill", "--sft", "x"],
+            "finetune demo report-distill compares runs from one warm student: give --before, --distilled",
+        ),
+    ],
+)
+def test_demo_options_that_cannot_be_honoured_are_refused_in_one_line(tmp_path, arguments, message):
     result = subprocess.run(
-        [sys.executable, "-m", "finetune", "demo", "build", "--dir", str(tmp_path), "--noise", "1.5"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "finetune", "demo", *arguments, "--dir", str(tmp_path)], capture_output=True, text=True
+    )
     assert result.returncode != 0
-    assert result.stderr.strip().splitlines() == [
-        "finetune: error: --noise is the share of training replies made wrong, between 0 and 1; got 1.5"
-    ]
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"finetune: error: {message}"), line
     assert not any(tmp_path.iterdir())  # refused before anything is written
