@@ -620,6 +620,23 @@ BUILTIN_REWARDS = ("exact_match", "regex", "overlong")
 
 
 @dataclass(kw_only=True)
+class RewardModelConfig:
+    """A reward model trained on chosen/rejected pairs (absent: another objective; finetune.objectives.reward_model):
+    the causal LM's last hidden state through a scalar head (`score`), exported as a sequence classifier with one
+    label."""
+
+    center_rewards_coefficient: float | None = None
+    """Adds this x (r_chosen + r_rejected)^2 to each pair's loss, so that rewards stay centred on 0 (Eisenstein et
+    al., 2023; TRL's setting of the same name, 0.01 in its examples); unset: off."""
+
+    def errors(self) -> list[str]:
+        coefficient = self.center_rewards_coefficient
+        if coefficient is not None and coefficient < 0:
+            return [f"reward_model.center_rewards_coefficient must be >= 0 (or left out), got {coefficient}"]
+        return []
+
+
+@dataclass(kw_only=True)
 class RewardConfig:
     """One reward of online RL (`finetune.rollouts.rewards`): a built-in by name, or a function of your own."""
 
@@ -989,6 +1006,14 @@ class RecipeConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     rl: RLConfig | None = None
     distill: DistillConfig | None = None
+    reward_model: RewardModelConfig | None = None
+
+    @property
+    def pairs_section(self) -> str | None:
+        """The section of a run that trains on chosen/rejected pairs (preference or reward_model), or None."""
+        if self.preference is not None:
+            return "preference"
+        return "reward_model" if self.reward_model is not None else None
 
     def cross_field_errors(self) -> list[str]:
         """Problems that involve more than one section, each with its fix (each section checks its own fields)."""
@@ -1011,29 +1036,51 @@ class RecipeConfig:
                 "eval.generate answers held-out prompts, and there is no eval data; set data.eval_path or "
                 "data.eval_fraction"
             )
-        if self.preference is None and self.data.format == "preference":
+        if self.pairs_section is None and self.data.format == "preference":
             errors.append("data.format=preference trains on pairs: add a preference section, e.g. preference.loss=dpo")
-        if self.preference is not None and self.data.format not in ("auto", "preference"):
+        return errors + self._pairs_errors() + self._rl_errors() + self._distill_errors() + self._reward_model_errors()
+
+    def _pairs_errors(self) -> list[str]:
+        """A run on pairs (a preference or reward_model section) against the data settings it cannot honour."""
+        section = self.pairs_section
+        if section is None:
+            return []
+        errors = []
+        compares = {
+            "preference": "the log-probabilities of the two replies to one prompt",
+            "reward_model": "the scores of the two replies to one prompt",
+        }[section]
+        if self.data.format not in ("auto", "preference"):
             errors.append(
-                f"a preference section trains on pairs, not data.format={self.data.format}; set data.format=auto"
+                f"a {section} section trains on pairs, not data.format={self.data.format}; set data.format=auto"
             )
-        if self.preference is not None and self.data.packing_window is not None:
+        if self.data.packing_window is not None:
             errors.append(
-                "data.packing_window applies to supervised fine-tuning; a preference run packs each micro-batch's "
+                f"data.packing_window applies to supervised fine-tuning; a {section} run packs each micro-batch's "
                 "pairs together (first fit), so remove it"
             )
-        if self.preference is not None and not self.data.completion_only_loss:
+        if not self.data.completion_only_loss:
             errors.append(
-                "data.completion_only_loss=false trains prompts too, which a preference run cannot: its loss compares "
-                "the log-probabilities of the two replies to one prompt; remove it (SFT on the prompts is a separate "
-                "supervised run)"
+                f"data.completion_only_loss=false trains prompts too, which a {section} run cannot: its loss compares "
+                f"{compares}; remove it (SFT on the prompts is a separate supervised run)"
             )
-        if self.preference is not None and self.data.multi_turn != "full":
+        if self.data.multi_turn != "full":
             errors.append(
-                f"data.multi_turn={self.data.multi_turn} applies to supervised chat data; a preference run compares "
+                f"data.multi_turn={self.data.multi_turn} applies to supervised chat data; a {section} run compares "
                 "each side's completion (every reply after the prompt both sides share), so remove it"
             )
-        return errors + self._rl_errors() + self._distill_errors()
+        return errors
+
+    def _reward_model_errors(self) -> list[str]:
+        """A reward_model section against the rest of the recipe."""
+        if self.reward_model is None:
+            return []
+        sections = {"preference": self.preference, "rl": self.rl, "distill": self.distill,
+                    "train.objective": self.train.objective}  # fmt: skip
+        others = [name for name, value in sections.items() if value is not None]
+        if others:
+            return [f"a reward_model section trains by its own objective; remove {' and '.join(others)}"]
+        return []
 
     def _rl_errors(self) -> list[str]:
         """An rl section's settings against the rest of the recipe."""

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from finetune.engine.accelerator import _check_launch_environment
 from finetune.errors import FinetuneError
-from finetune.model.loading import checkpoint_dropout_exactly, dropout_site
+from finetune.model.dropout import checkpoint_dropout_exactly, dropout_site
 
 
 def test_bf16_on_a_gpu_without_bf16_names_the_fix(monkeypatch):

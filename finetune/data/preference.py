@@ -44,15 +44,19 @@ PAIRS = datasets.Features({
     "rejected_ids": datasets.List(datasets.Value("int32")),
     "rejected_targets": datasets.List(datasets.Value("int32")),
     "truncated": datasets.Value("bool"), "kept": datasets.Value("bool"), "same": datasets.Value("bool"),
-    "reasoning": datasets.Value("int32"), "invalid": datasets.Value("string"),
+    "reasoning": datasets.Value("int32"), "invalid": datasets.Value("string"), "margin": datasets.Value("float32"),
 })  # fmt: skip
 """A tokenized pair: each side's ids and targets (the next token where loss is taken, else IGNORE); `truncated`
 (its prompt was cut), `kept` (both sides fit, and the pair is valid), `same` (chosen equals rejected: dropped),
-`reasoning` (tokens of reasoning in both replies), `invalid` (data.invalid=drop: why it was refused, else "")."""
+`reasoning` (tokens of reasoning in both replies), `invalid` (data.invalid=drop: why it was refused, else ""),
+`margin` (the `margin` column: how far a reward model's chosen score must lead the rejected one; 0 without it)."""
 
 
-def tokenize_pairs(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> datasets.Dataset:
-    """Tokenize every pair (cached by `datasets` under the fingerprint of data and settings)."""
+def tokenize_pairs(
+    dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, whole: bool = False
+) -> datasets.Dataset:
+    """Tokenize every pair (cached by `datasets` under the fingerprint of data and settings); `whole`: each side of a
+    conversation through the end of its rendering, what the template writes after the last reply included."""
     missing = [column for column in PAIR_COLUMNS if column not in dataset.column_names]
     if missing:
         columns = [c for c in dataset.column_names if c != SAMPLE_INDEX]
@@ -60,7 +64,7 @@ def tokenize_pairs(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase
             f"preference data needs chosen and rejected columns (and prompt, unless chosen and rejected are whole "
             f"conversations); the dataset has {columns}: rename them with a columns mapping"
         )
-    encode = functools.partial(_encode_pairs, tokenizer=tokenizer, cfg=cfg)
+    encode = functools.partial(_encode_pairs, tokenizer=tokenizer, cfg=cfg, whole=whole)
     return dataset.map(
         encode, batched=True, with_indices=True, remove_columns=dataset.column_names, desc="tokenizing (preference)",
         num_proc=map_processes(len(dataset)), features=PAIRS,
@@ -68,11 +72,11 @@ def tokenize_pairs(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase
 
 
 def _encode_pairs(
-    batch: dict[str, list], indices: list[int], *, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig
+    batch: dict[str, list], indices: list[int], *, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, whole: bool
 ) -> dict[str, list]:
     indices = batch.pop(SAMPLE_INDEX, indices)
     try:
-        return _encode_batch(batch, indices, tokenizer, cfg)
+        return _encode_batch(batch, indices, tokenizer, cfg, whole)
     except FinetuneError:
         if cfg.invalid != "drop":
             raise
@@ -82,17 +86,17 @@ def _encode_pairs(
     for n, index in enumerate(indices):
         try:
             alone = {column: values[n : n + 1] for column, values in batch.items()}
-            one = _encode_batch(alone, [index], tokenizer, cfg)
+            one = _encode_batch(alone, [index], tokenizer, cfg, whole)
         except FinetuneError as exc:
             one = {key: [[]] if key.endswith(("_ids", "_targets")) else [0] for key in PAIRS}
-            one.update(truncated=[False], kept=[False], same=[False], invalid=[str(exc)])
+            one.update(truncated=[False], kept=[False], same=[False], invalid=[str(exc)], margin=[0.0])
         for key, values in one.items():
             out[key] += values
     return out
 
 
 def _encode_batch(
-    batch: dict[str, list], indices: list[int], tokenizer: PreTrainedTokenizerBase, cfg: DataConfig
+    batch: dict[str, list], indices: list[int], tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, whole: bool
 ) -> dict[str, list]:
     prompts = batch.get("prompt", [None] * len(indices))
     if all(isinstance(reply, str) for side in PAIR_COLUMNS for reply in batch[side]):
@@ -101,9 +105,10 @@ def _encode_batch(
         pairs = [_pair_conversations(*pair, index) for *pair, index in
                  zip(prompts, batch["chosen"], batch["rejected"], indices, strict=True)]  # fmt: skip
         tools = batch.get("tools")  # per sample, given to the template for both sides
-        sides = {side: _encode_conversations([pair[n] for pair in pairs], side, indices, tokenizer, tools, cfg)
+        sides = {side: _encode_conversations([pair[n] for pair in pairs], side, indices, tokenizer, tools, cfg, whole)
                  for n, side in enumerate(PAIR_COLUMNS)}  # fmt: skip
     out: dict[str, list] = {key: [] for key in PAIRS}
+    out["margin"] = _margins(batch.get("margin"), indices)
     for n, index in enumerate(indices):
         chosen, rejected = sides["chosen"][n], sides["rejected"][n]
         if chosen.prompt != rejected.prompt:
@@ -129,6 +134,16 @@ def _encode_batch(
         out["reasoning"].append(chosen.reasoning + rejected.reasoning)
         out["invalid"].append("")
     return out
+
+
+def _margins(margins: list[Any] | None, indices: list[int]) -> list[float]:
+    """The `margin` column's values (TRL's reward data: the chosen reply's required lead), 0 where there is none."""
+    if margins is None:
+        return [0.0] * len(indices)
+    for margin, index in zip(margins, indices, strict=True):
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin != margin:
+            raise FinetuneError(f"sample {index}: margin must be a number, got {describe(margin)}; fix or remove it")
+    return [float(margin) for margin in margins]
 
 
 @dataclass(frozen=True)
@@ -246,6 +261,7 @@ def _encode_conversations(
     tokenizer: PreTrainedTokenizerBase,
     tools: list[Any] | None,
     cfg: DataConfig,
+    whole: bool,
 ) -> list[_Side]:
     """Each side rendered as one whole conversation by the chat path that locates replies, its prompt what
     comes before the completion's first reply. Reasoning is compared unless data.train_on_reasoning=false
@@ -272,7 +288,9 @@ def _encode_conversations(
                 f"sample {index}: {side} has no reply to compare (weight 0 on every reply after the prompt); "
                 "remove the weights or the sample"
             )
-        first, last = ranges[0][0], ranges[-1][1]  # what a template writes after the last reply is not needed
+        # What a template writes after the last reply is not compared, and kept only where the sequence is scored
+        # whole (a reward model reads its score at the rendering's last token, as every reader of it does).
+        first, last = ranges[0][0], len(ids) if whole else ranges[-1][1]
         trained = [False] * (last - first)
         for lo, hi in kept:
             trained[lo - first : hi - first] = [True] * (hi - lo)
@@ -286,6 +304,7 @@ def prepare_pairs(
     cfg: DataConfig,
     wheres: list[str | None],
     first_index: int = 0,
+    whole: bool = False,
 ) -> tuple[datasets.Dataset, PairStats]:
     """Tokenize each source's pairs, drop (and count) those too long, with equal replies or (data.invalid=drop)
     malformed, mix, and number the pairs kept from `first_index` (`pair_index`: where a precomputed reference is
@@ -293,7 +312,7 @@ def prepare_pairs(
     tokenized = []
     for (_, dataset), where in zip(parts, wheres, strict=True):
         try:
-            pairs = tokenize_pairs(dataset, tokenizer, cfg)
+            pairs = tokenize_pairs(dataset, tokenizer, cfg, whole)
             if cfg.invalid == "drop":
                 check_invalid_share(pairs, "the data")
         except FinetuneError as exc:
@@ -311,8 +330,9 @@ def prepare_pairs(
     with no_datasets_bars():
         kept = every.filter(lambda k, s: [a and not b for a, b in zip(k, s, strict=True)],
                             input_columns=["kept", "same"], batched=True)  # fmt: skip
-    kept = kept.remove_columns(["kept", "same", "truncated", "reasoning", "invalid"])
-    return kept.add_column("pair_index", list(range(first_index, first_index + len(kept)))), stats
+        kept = kept.remove_columns(["kept", "same", "truncated", "reasoning", "invalid"])
+        # add_column flattens the filter's indices first, with a bar of its own: a step of this split's tokenizing
+        return kept.add_column("pair_index", list(range(first_index, first_index + len(kept)))), stats
 
 
 @dataclass(frozen=True)
@@ -359,7 +379,9 @@ def collate_pairs(
     """A micro-batch of pairs as model rows: its chosen sequences, then its rejected ones (sequence n and
     n + pairs belong to pair n). Packed: sequences placed first-fit in decreasing length into rows of
     `max_length` tokens, positions restarting per sequence (attention stays within it); else each padded
-    to the longest. `sequence_ids` names the sequence of each position with a target (-1 elsewhere)."""
+    to the longest. `sequence_ids` names the sequence of each position with a target (-1 elsewhere); `last_index`
+    the last position of each sequence in the rows flattened (where a reward model reads its score); `margin` each
+    pair's margin column."""
     sequences = [(row["chosen_ids"], row["chosen_targets"]) for row in rows]
     sequences += [(row["rejected_ids"], row["rejected_targets"]) for row in rows]
     if packing:
@@ -379,10 +401,12 @@ def collate_pairs(
         rows_of = [[n] for n in range(len(sequences))]
         width = max(len(ids) for ids, _ in sequences)
     input_ids, target_ids, position_ids, sequence_ids, attention_mask = [], [], [], [], []
-    for members in rows_of:
+    last_index = [0] * len(sequences)
+    for row, members in enumerate(rows_of):
         ids, targets, positions, owners = [], [], [], []
         for n in members:
             sample_ids, sample_targets = sequences[n]
+            last_index[n] = row * width + len(ids) + len(sample_ids) - 1
             ids += sample_ids
             targets += sample_targets
             positions += range(len(sample_ids))
@@ -397,7 +421,8 @@ def collate_pairs(
         "input_ids": torch.tensor(input_ids), "target_ids": torch.tensor(target_ids),
         "sequence_ids": torch.tensor(sequence_ids),
         "sequence_targets": torch.tensor([sum(t != IGNORE for t in targets) for _, targets in sequences]),
-        "pair_index": torch.tensor([row["pair_index"] for row in rows]),
+        "pair_index": torch.tensor([row["pair_index"] for row in rows]), "last_index": torch.tensor(last_index),
+        "margin": torch.tensor([row.get("margin", 0.0) for row in rows], dtype=torch.float32),
         "num_tokens": torch.tensor(sum(len(ids) for ids, _ in sequences)),
     }  # fmt: skip
     if packing:
@@ -408,10 +433,13 @@ def collate_pairs(
     return with_host_indices(batch)
 
 
+@dataclass(frozen=True)
 class Pairs:
     """Preference pairs (`finetune.data.Samples`): each pair's chosen and rejected sequences batched together,
     numbered across train and eval for a precomputed reference."""
 
+    whole: bool = False
+    """Each conversation through the end of its rendering (a reward model's pairs): see `tokenize_pairs`."""
     numbered = True
 
     def prepare(
@@ -424,7 +452,7 @@ class Pairs:
         first_index: int = 0,
     ) -> tuple[datasets.Dataset, PairStats]:
         wheres = [source_name(source, cfg, evaluation) for source, _ in parts]
-        return prepare_pairs(parts, tokenizer, cfg, wheres, first_index=first_index)
+        return prepare_pairs(parts, tokenizer, cfg, wheres, first_index=first_index, whole=self.whole)
 
     def collate(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
         return functools.partial(collate_pairs, max_length=cfg.max_length, pad_id=tokenizer.pad_token_id,
@@ -432,3 +460,6 @@ class Pairs:
 
 
 PAIR_SAMPLES = Pairs()
+SCORED_PAIRS = Pairs(whole=True)
+"""A reward model's pairs: each conversation as `tokenizer.apply_chat_template` renders it whole, so that its last
+token, where the score is read, is the one every reader of the exported model reads it at."""

@@ -18,6 +18,7 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from finetune.model.score_head import is_reward_model
 from finetune.storage.checkpoint import ADAPTER_RECORD
 
 # Weights and training state: the run writes weights of its own, and state of another run means nothing here.
@@ -46,6 +47,8 @@ def save_model_files(
     if base is not None and any((base / name).is_file() for name in _TOKENIZER_FILES):
         copy_base_files(base, folder)
         write_chat_template(folder, tokenizer.chat_template, trained_from=base)
+        if is_reward_model(model.config):  # its pad id locates the score for every reader: config and tokenizer agree
+            write_pad_token(folder, tokenizer.pad_token)
     else:
         tokenizer.save_pretrained(folder)
     model.config.save_pretrained(folder)
@@ -107,3 +110,16 @@ def write_chat_template(folder: Path, template: str | None, trained_from: Path) 
         if "chat_template" in settings:
             settings["chat_template"] = template
             config.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def write_pad_token(folder: Path, pad_token: str) -> None:
+    """Make `pad_token` the pad of the tokenizer in `folder` (a reward model padding with another token than its
+    base's: `finetune.model.score_head.score_pad_id`)."""
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return
+    settings = json.loads(config.read_text(encoding="utf-8"))
+    written = settings.get("pad_token")
+    if (written.get("content") if isinstance(written, dict) else written) != pad_token:
+        settings["pad_token"] = pad_token
+        config.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

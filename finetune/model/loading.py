@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 from pathlib import Path
@@ -9,12 +10,12 @@ from typing import Any
 
 import torch
 from accelerate import init_empty_weights
-from accelerate.utils import FullyShardedDataParallelPlugin
 from safetensors import SafetensorError
 from transformers import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
@@ -27,12 +28,9 @@ from finetune.engine import attention as varlen
 from finetune.engine.recompute import Policy, checkpoint_kwargs, tile_mlps
 from finetune.errors import FinetuneError, first_line
 from finetune.model.family import experts_of
+from finetune.model.score_head import REGRESSION, expected_head_swap, is_reward_model, zero_score
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DROPOUT_MODULES = (
-    torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
-    torch.nn.FeatureAlphaDropout,
-)  # fmt: skip
 
 
 def hub_problem(name_or_path: str, exc: BaseException) -> str | None:
@@ -468,16 +466,25 @@ def _rope_parameter_sets(config: PretrainedConfig) -> list[dict[str, Any]]:
 
 
 def meta_model(config: PretrainedConfig) -> PreTrainedModel:
-    """The model `config` describes, on the meta device: every name and shape, no memory, no weights."""
+    """The model `config` describes, on the meta device: every name and shape, no memory, no weights; a reward
+    model's config (a scalar sequence classifier) gives its classifier, any other its causal LM."""
+    auto = AutoModelForSequenceClassification if is_reward_model(config) else AutoModelForCausalLM
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return auto.from_config(config)
 
 
 def load_model(
-    cfg: ModelConfig, activation_checkpointing: Policy, *, read_weights: bool = True, quantization: Any = None
+    cfg: ModelConfig,
+    activation_checkpointing: Policy,
+    *,
+    read_weights: bool = True,
+    quantization: Any = None,
+    score_pad_id: int | None = None,
 ) -> PreTrainedModel:
     """The model in the recipe's parameter dtype, never in the checkpoint's dtype by accident;
-    `quantization` is a transformers quantization config (QLoRA's 4-bit base) or None.
+    `quantization` is a transformers quantization config (QLoRA's 4-bit base) or None. With `score_pad_id`, a
+    reward model: the base as a sequence classifier with one output read raw (`finetune.model.score_head`),
+    padded with that id, its head at zero unless the base already is a reward model.
 
     `read_weights=False` is rank-0 loading on the other ranks: parameters are created on the meta
     device (no file read, no memory) and receive rank 0's values when accelerate shards the model.
@@ -493,19 +500,28 @@ def load_model(
         if dequantize is not None:
             del config.quantization_config  # the model built below holds plain weights
         quantization = quantization if quantization is not None else dequantize
+        auto, head, trained_head = AutoModelForCausalLM, {}, is_reward_model(config)
+        if score_pad_id is not None:
+            auto, head = AutoModelForSequenceClassification, {**REGRESSION, "pad_token_id": score_pad_id}
+            config.update(head)
         if read_weights:
             # Passed only when given: an explicit None would also drop the quantization of a base saved quantized.
             quantized = {"quantization_config": quantization} if quantization is not None else {}
-            model = AutoModelForCausalLM.from_pretrained(
-                cfg.name_or_path, dtype=dtype, attn_implementation=attention, trust_remote_code=cfg.trust_remote_code,
-                **quantized, **cfg.config_overrides,
-            )  # fmt: skip
+            with expected_head_swap(config) if score_pad_id is not None else contextlib.nullcontext():
+                model = auto.from_pretrained(
+                    cfg.name_or_path, dtype=dtype, attn_implementation=attention,
+                    trust_remote_code=cfg.trust_remote_code, **quantized, **cfg.config_overrides, **head,
+                )  # fmt: skip
+            if score_pad_id is not None and not trained_head:
+                zero_score(model)
         else:
             with init_empty_weights(include_buffers=False):
-                model = AutoModelForCausalLM.from_config(
+                model = auto.from_config(
                     config, dtype=dtype, attn_implementation=attention, trust_remote_code=cfg.trust_remote_code
                 )
             model.tie_weights()  # not done for meta parameters, and rank 0's model has them tied
+        if score_pad_id is not None:  # the class its checkpoints and exports are read as (config.json written alone)
+            model.config.architectures = [type(model).__name__]
     except ImportError as exc:  # an attention kernel or quantization package missing
         raise FinetuneError(f"cannot load {cfg.name_or_path!r}: {first_line(exc)}") from None
     except (OSError, ValueError, SafetensorError) as exc:  # SafetensorError: a truncated or damaged weights file
@@ -525,60 +541,6 @@ def load_model(
     # from_pretrained returns the model in eval mode, where dropout and activation checkpointing are off.
     model.train()
     return model
-
-
-def checkpoint_dropout_exactly(plugin: FullyShardedDataParallelPlugin, model: PreTrainedModel) -> str | None:
-    """Under FSDP2 activation checkpointing, make a model that trains with dropout recompute its exact forward.
-
-    accelerate wraps each layer in `checkpoint_wrapper(preserve_rng_state=False)`: the recompute in
-    backward draws new dropout masks, so the gradients would belong to another forward than the one
-    that gave the loss, and nothing would say so. For such a model the same layers are checkpointed
-    by transformers' gradient checkpointing instead, which replays the random state. Returns a line
-    for the log saying so, or None when the model needs nothing (no dropout, or no checkpointing).
-    """
-    if plugin.fsdp_version != 2 or not plugin.activation_checkpointing:
-        return None
-    dropout = dropout_site(model)
-    if dropout is None:
-        return None
-    offload = getattr(plugin, "activation_checkpointing_offload", False)
-    if offload or not model.supports_gradient_checkpointing:
-        raise FinetuneError(
-            f"the model trains with dropout ({dropout}), which accelerate's FSDP2 activation checkpointing "
-            "recomputes with new random masks, so gradients would not match the loss; transformers' gradient "
-            f"checkpointing, which replays them, cannot stand in here ({type(model).__name__}, offload "
-            f"{offload}): set fsdp_activation_checkpointing: false"
-        )
-    plugin.activation_checkpointing = False
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs("full"))
-    return (
-        f"activation checkpointing: the model trains with dropout ({dropout}), so its layers are checkpointed "
-        "by transformers, which replays the dropout masks, not by accelerate's FSDP2 wrapper, which draws new ones"
-    )
-
-
-def disable_dropout(model: torch.nn.Module) -> str | None:
-    """Set every dropout of `model` to 0 (its modules' and its attention's), as preference tuning needs: the
-    policy's forward and the reference's must agree at the first step. Returns what was on, or None."""
-    found = dropout_site(model) if isinstance(model, PreTrainedModel) else None
-    for module in model.modules():
-        if isinstance(module, _DROPOUT_MODULES):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):  # read by attention kernels in training
-            module.attention_dropout = 0.0
-        config = getattr(module, "config", None)
-        if config is not None and getattr(config, "attention_dropout", 0.0):
-            config.attention_dropout = 0.0
-    return found
-
-
-def dropout_site(model: PreTrainedModel) -> str | None:
-    """Where `model` applies dropout while training (the first such module, or its attention's), or None."""
-    for name, module in model.named_modules():
-        if isinstance(module, _DROPOUT_MODULES) and module.p > 0:
-            return f"{name} p={module.p}"
-    attention_dropout = getattr(model.config, "attention_dropout", 0.0)  # applied inside the attention kernel
-    return f"attention_dropout={attention_dropout}" if attention_dropout else None
 
 
 def check_tied_weights(model: PreTrainedModel) -> None:

@@ -20,8 +20,8 @@ A new objective is a module here with both; a recipe names one of its own with `
 Normalization is the loop's: a step minimizes (sum of unit losses) / (units in the whole step, over
 all micro-batches and processes), so any split of the same global batch gives the same update.
 
-Beside the objectives (`supervised`, `preference`, `grpo`, `distill`, `balanced`) live what they share: the
-losses and their chunked paths (`loss`, `divergence`), online RL's advantages and policy loss (`advantages`,
+Beside the objectives (`supervised`, `preference`, `grpo`, `distill`, `reward_model`, `balanced`) live what they
+share: the losses and their chunked paths (`loss`, `divergence`), online RL's advantages and policy loss (`advantages`,
 `policy_loss`), frozen reference models and precomputed references (`reference`) and a teacher's top-k table
 (`teacher_table`).
 
@@ -47,6 +47,7 @@ from finetune.objectives.balanced import WithBalancingLoss
 from finetune.objectives.distill import Distill, DistillBuilder
 from finetune.objectives.grpo import GRPO, GRPOBuilder
 from finetune.objectives.preference import Preference, PreferenceBuilder
+from finetune.objectives.reward_model import RewardModel, RewardModelBuilder
 from finetune.objectives.supervised import Supervised, SupervisedBuilder
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GRPO", "WithBalancingLoss", "BuildContext", "Distill", "Objective", "ObjectiveBuilder", "Preference",
-    "Supervised", "objective_for", "with_rollout",
+    "RewardModel", "Supervised", "objective_for", "with_rollout",
 ]  # fmt: skip
 
 
@@ -120,6 +121,9 @@ class ObjectiveBuilder(Protocol):
     """A second model it loads (checked with the tokenizer before any weight loads), or None."""
     reference_setting: str
     """The recipe setting that names it, for the messages that refuse it (`preference.reference_model`)."""
+    head: str
+    """What the model outputs: `lm` (a causal LM's logits; assumed where a builder of your own lacks it) or `score`
+    (a reward model's scalar, `finetune.model.score_head`)."""
 
     def prepare_model(self, model: torch.nn.Module, accelerator: Accelerator) -> None:
         """Anything the objective needs of the model before it is sharded."""
@@ -160,7 +164,8 @@ def with_rollout(objective: Objective) -> Objective:
 def objective_for(recipe: RecipeConfig) -> ObjectiveBuilder:
     """The recipe's objective: `train.objective` (a `module:attribute` taking the recipe and returning an
     ObjectiveBuilder), else online RL with an `rl` section, preference tuning with a `preference` section,
-    distillation with a `distill` section, else supervised fine-tuning."""
+    distillation with a `distill` section, a reward model with a `reward_model` section, else supervised
+    fine-tuning."""
     if recipe.train.objective is not None:
         return _imported(recipe.train.objective)(recipe)
     if recipe.rl is not None:
@@ -169,6 +174,8 @@ def objective_for(recipe: RecipeConfig) -> ObjectiveBuilder:
         return PreferenceBuilder(recipe.preference)
     if recipe.distill is not None:
         return DistillBuilder(recipe.distill, recipe.data, recipe.model)
+    if recipe.reward_model is not None:
+        return RewardModelBuilder(recipe.reward_model)
     return SupervisedBuilder()
 
 

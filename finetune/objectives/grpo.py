@@ -42,7 +42,8 @@ from finetune.engine.processes import raised_together
 from finetune.engine.sequence import gather_rows
 from finetune.engine.wrap import reshard
 from finetune.errors import FinetuneError
-from finetune.model.loading import disable_dropout, load_model_config
+from finetune.model.dropout import disable_dropout
+from finetune.model.loading import load_model_config
 from finetune.model.weights import BaseSwitch
 from finetune.objectives.advantages import advantages
 from finetune.objectives.loss import LossPath, token_logps

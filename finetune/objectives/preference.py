@@ -34,7 +34,8 @@ from finetune.data.preference import PAIR_SAMPLES
 from finetune.engine.batch import Batch
 from finetune.engine.sequence import SequenceParallel, gather_rows, sequence_parallel
 from finetune.engine.wrap import reshard
-from finetune.model.loading import base_fingerprint, disable_dropout, model_folder
+from finetune.model.dropout import disable_dropout
+from finetune.model.loading import base_fingerprint, model_folder
 from finetune.model.weights import BaseSwitch
 from finetune.objectives.loss import LossPath, sequence_logps
 from finetune.objectives.reference import (

@@ -33,7 +33,8 @@ from finetune.engine.processes import equal_share
 from finetune.engine.sequence import data_parallel_rank, data_parallel_size, sequence_parallel
 from finetune.engine.wrap import reshard, shard_frozen
 from finetune.errors import FinetuneError
-from finetune.model.loading import DTYPES, disable_dropout, load_model
+from finetune.model.dropout import disable_dropout
+from finetune.model.loading import DTYPES, load_model
 from finetune.model.routing import route_in_fp32
 from finetune.objectives.loss import LossPath, sequence_logps
 from finetune.storage.atomic import private_partial, publish_shared

@@ -40,6 +40,7 @@ from finetune.engine.recompute import Policy, offload_layer_inputs
 from finetune.engine.wrap import validate_wrap_policy
 from finetune.errors import FinetuneError
 from finetune.export.model_files import save_model_files
+from finetune.model.dropout import checkpoint_dropout_exactly
 from finetune.model.kernels import check_kernels, fuse
 from finetune.model.loading import (
     DTYPES,
@@ -50,7 +51,6 @@ from finetune.model.loading import (
     check_packing,
     check_tied_weights,
     check_vocabulary,
-    checkpoint_dropout_exactly,
     load_model,
     load_model_config,
     load_tokenizer,
@@ -58,6 +58,7 @@ from finetune.model.loading import (
     tile_model_mlps,
 )
 from finetune.model.routing import check_experts_recipe, set_up_routing
+from finetune.model.score_head import score_pad_id
 from finetune.model.weights import StateIO, Weights, weights_for
 from finetune.objectives import (
     BuildContext,
@@ -159,7 +160,7 @@ def build_run(recipe: RecipeConfig, resume_from: Path | None) -> Run:
     builder, weights = objective_for(recipe), weights_for(recipe)
     accelerator, policy, policy_line = setup_accelerator(recipe)
     tokenizer = setup_tokenizer(recipe, builder)
-    model, started_on_meta = setup_model(recipe, accelerator, policy, weights, resume_from)
+    model, started_on_meta = setup_model(recipe, accelerator, policy, weights, resume_from, scores(builder, tokenizer))
     names = tensor_names(model)  # before FSDP renames or flattens anything; saved with every checkpoint
     data = setup_data(recipe, tokenizer, accelerator, builder)
     generation = setup_generation(recipe, data, tokenizer)
@@ -172,6 +173,8 @@ def build_run(recipe: RecipeConfig, resume_from: Path | None) -> Run:
         recipe, accelerator, model, optimizer, tokenizer, weights
     )
     loss_path, loss_line = choose_loss_path(recipe.train.loss_path, accelerator.unwrap_model(model))
+    if getattr(builder, "head", "lm") == "score":  # no logits: the head gives one number per sequence
+        loss_line = "scores: the scalar head at each sequence's last token (the end of its reply)"
     objective, routing_line, write_objective_files = setup_objective(
         BuildContext(recipe, accelerator, model, data, loss_path, weights, resume_from, tokenizer), builder
     )
@@ -218,19 +221,35 @@ def setup_tokenizer(recipe: RecipeConfig, builder: ObjectiveBuilder) -> PreTrain
     tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
     setting = getattr(builder, "reference_setting", "the reference model")  # an objective of your own may lack it
     check_vocabulary(recipe.model, tokenizer, builder.reference_model, setting)
+    if scores(builder, tokenizer) is not None:  # a reward model pads with an id no scored sequence ends with
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(score_pad_id(tokenizer, recipe.model.name_or_path))
     return tokenizer
 
 
+def scores(builder: ObjectiveBuilder, tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The pad id of a reward model (an objective whose model outputs a `score`), or None for a causal LM."""
+    if getattr(builder, "head", "lm") != "score":
+        return None
+    return tokenizer.pad_token_id
+
+
 def setup_model(
-    recipe: RecipeConfig, accelerator: Accelerator, policy: Policy, weights: Weights, resume_from: Path | None
+    recipe: RecipeConfig,
+    accelerator: Accelerator,
+    policy: Policy,
+    weights: Weights,
+    resume_from: Path | None,
+    score_pad_id: int | None = None,
 ) -> tuple[torch.nn.Module, bool]:
-    """The model as it trains, not yet sharded, and whether this rank started without its weights."""
+    """The model as it trains, not yet sharded, and whether this rank started without its weights; with
+    `score_pad_id`, a reward model (`finetune.model.score_head`)."""
     # Under rank-0 loading (cpu_ram_efficient_loading) only rank 0 reads the weights; the others
     # start on the meta device and receive them from rank 0 while the model is sharded.
     started_on_meta = rank_zero_loading() and not accelerator.is_main_process
     model = load_model(
-        recipe.model, policy, read_weights=not started_on_meta, quantization=weights.load_quantization(accelerator)
-    )
+        recipe.model, policy, read_weights=not started_on_meta, quantization=weights.load_quantization(accelerator),
+        score_pad_id=score_pad_id,
+    )  # fmt: skip
     fused = fuse(model, recipe.model.kernels)
     if fused:
         accelerator.print(fused)
