@@ -245,3 +245,39 @@ def test_a_resume_on_one_process_trains_what_two_processes_trained(rm_run, demo_
     for step, logged in losses.items():
         for key in ("loss", "rewards/margins", "rewards/accuracies"):
             assert logged[key] == pytest.approx(expected[step][key], abs=1e-5), (step, key)
+
+
+@pytest.fixture(scope="module")
+def lora_rm_run(tmp_path_factory, demo_assets, margin_pairs) -> LaunchedRun:
+    """A LoRA reward model on 2 processes, exported as its adapter folder and merged."""
+    return reward_run(tmp_path_factory.mktemp("lora-rm"), demo_assets, margin_pairs, **{
+        "peft.r": 4, "train.max_steps": 4, "train.eval_every_steps": 0, "checkpoint.save_every_steps": 0,
+        "optim.lr": "5e-3", "output.export_merged": "true",
+    })  # fmt: skip
+
+
+@pytest.mark.multiprocess
+def test_a_lora_reward_model_trains_and_saves_its_head_and_peft_scores_as_the_merged_folder(
+    lora_rm_run, tokenizer, eval_pairs
+):
+    """The head is trained in full beside the adapters and saved with them (not left at its start); PEFT loads the
+    adapter folder as a sequence classifier, and it scores as the merged folder and finetune's scorer do."""
+    from peft import AutoPeftModelForSequenceClassification
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    adapter, merged = lora_rm_run.output_dir / "final", lora_rm_run.output_dir / "final_merged"
+    assert json.loads((adapter / "adapter_config.json").read_text())["task_type"] == "SEQ_CLS"
+    head = load_file(adapter / "adapter_model.safetensors")["base_model.model.score.weight"]
+    assert torch.count_nonzero(head) == head.numel()  # moved from zero by training
+    pairs = scored(eval_pairs[:8], tokenizer)
+    batch = collate_pairs(pairs, max_length=MAX_LENGTH, pad_id=tokenizer.pad_token_id, packing=True)
+    with torch.no_grad():
+        peft_model = AutoPeftModelForSequenceClassification.from_pretrained(
+            adapter, num_labels=1, pad_token_id=tokenizer.pad_token_id
+        ).eval()
+        folded = AutoModelForSequenceClassification.from_pretrained(merged).eval()
+        through_peft, ours = sequence_scores(peft_model, batch), sequence_scores(folded, batch)
+        alone = folded(input_ids=torch.tensor([pairs[0]["chosen_ids"]])).logits[0, 0]
+    torch.testing.assert_close(through_peft, ours, atol=1e-5, rtol=0)
+    assert alone.item() == pytest.approx(ours[0].item(), abs=1e-5) and not torch.all(ours == 0)

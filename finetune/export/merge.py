@@ -25,6 +25,7 @@ import torch
 from finetune.errors import FinetuneError, first_line
 from finetune.export.weight_files import CheckpointWeights, SafetensorsWeights, adapter_tensors
 from finetune.model.family import HubLayout
+from finetune.model.score_head import is_reward_model
 from finetune.storage.checkpoint import ADAPTER_RECORD, MODEL_FILES, tensor_names, trained_base
 
 _PREFIX = "base_model.model."  # PEFT's prefix of every saved adapter key
@@ -59,7 +60,10 @@ def merged_weights(checkpoint: Path, onto: str = "dequantized") -> tuple[Checkpo
         adapter, groups = {_hub_key(hub, key): tensor for key, tensor in adapter.items()}, hub.groups(groups)
         transposed = {hub.name(f"{layer}.weight").removesuffix(".weight") for layer in transposed}
     experts.in_layout(hub)
-    return MergedWeights(base, adapter, config, transposed, quantized, experts), groups
+    merged = MergedWeights(base, adapter, config, transposed, quantized, experts)
+    if is_reward_model(model.config):
+        merged.swap_head(groups)
+    return merged, groups
 
 
 class ExpertUpdates:
@@ -162,7 +166,7 @@ class MergedWeights(CheckpointWeights):
         quantized: dict | None = None,
         experts: ExpertUpdates | None = None,
     ):
-        super().__init__(base.shapes, base.dtypes)
+        super().__init__(dict(base.shapes), dict(base.dtypes))
         self.base, self.transposed, self.quantized, self.experts = base, transposed, quantized, experts
         self.as_trained = set(quantized["weights"]) if quantized else set()
         self.scaling = _scaling(config)
@@ -192,6 +196,16 @@ class MergedWeights(CheckpointWeights):
                 f"the adapter updates {', '.join(unknown[:3])}, which the base model does not have; merge onto the "
                 "base model the adapter was trained on"
             )
+
+    def swap_head(self, groups: list[list[str]]) -> None:
+        """A reward model merged onto the causal LM it was made from: the base's output layer, which the classifier
+        lacks, is left out, and the `score` head, trained in full beside the adapter, comes in."""
+        known = {name for group in groups for name in group}
+        for name in [name for name in self.shapes if name not in known and name.startswith("lm_head.")]:
+            del self.shapes[name], self.dtypes[name]
+        for name, tensor in self.replaced.items():
+            if name not in self.shapes:
+                self.shapes[name], self.dtypes[name] = tensor.shape, tensor.dtype
 
     def read_into(self, targets: dict[str, torch.Tensor]) -> None:
         pieces = self.experts.pieces if self.experts is not None else {}

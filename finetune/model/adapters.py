@@ -32,6 +32,7 @@ from finetune.engine.launch import ASYNC_SAVE_NEEDS
 from finetune.errors import FinetuneError, first_line
 from finetune.model.family import experts_of, is_routed_expert
 from finetune.model.loading import DTYPES, base_fingerprint, check_quantized_base, model_folder
+from finetune.model.score_head import task_type
 from finetune.storage.checkpoint import (
     ADAPTER_RECORD,
     ADAPTER_STATE,
@@ -55,7 +56,7 @@ def add_adapters(model: PreTrainedModel, cfg: PeftConfig) -> PeftModel:
         targets = linear_layers_outside_experts(model)
     lora = LoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, use_dora=cfg.method == "dora",
-        use_rslora=cfg.use_rslora, modules_to_save=cfg.modules_to_save or None, task_type="CAUSAL_LM",
+        use_rslora=cfg.use_rslora, modules_to_save=cfg.modules_to_save or None, task_type=task_type(model.config),
         target_parameters=expert_parameters(model, cfg) or None,
     )  # fmt: skip
     try:

@@ -91,3 +91,9 @@ def zero_score(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for parameter in score_head(model).parameters():
             parameter.zero_()
+
+
+def task_type(config: PretrainedConfig) -> str:
+    """PEFT's task type for adapters on this model: SEQ_CLS for a reward model (PEFT then trains and saves the
+    `score` head in full beside the adapters, and loads the folder as a sequence classifier), else CAUSAL_LM."""
+    return "SEQ_CLS" if is_reward_model(config) else "CAUSAL_LM"
