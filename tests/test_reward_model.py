@@ -281,3 +281,21 @@ def test_a_lora_reward_model_trains_and_saves_its_head_and_peft_scores_as_the_me
         alone = folded(input_ids=torch.tensor([pairs[0]["chosen_ids"]])).logits[0, 0]
     torch.testing.assert_close(through_peft, ours, atol=1e-5, rtol=0)
     assert alone.item() == pytest.approx(ours[0].item(), abs=1e-5) and not torch.all(ours == 0)
+
+
+def test_a_tokenizer_that_pads_with_its_eos_pads_a_reward_model_with_another_token(tokenizer, tmp_path):
+    """A scored sequence may end with the EOS, where transformers' classifiers would then not read it: the BOS (or
+    the unknown token) pads instead, and the export's tokenizer says so; with neither, the run is refused."""
+    from finetune.export.model_files import write_pad_token
+    from finetune.model.score_head import score_pad_id
+
+    eos_padded = copy.deepcopy(tokenizer)
+    eos_padded.pad_token = eos_padded.eos_token
+    assert score_pad_id(tokenizer, "base") == tokenizer.pad_token_id  # a pad of its own stays
+    assert score_pad_id(eos_padded, "base") == tokenizer.bos_token_id
+    eos_padded.save_pretrained(tmp_path)
+    write_pad_token(tmp_path, tokenizer.bos_token)
+    assert AutoTokenizer.from_pretrained(tmp_path).pad_token_id == tokenizer.bos_token_id
+    eos_padded.bos_token = None
+    with pytest.raises(FinetuneError, match="pads with its EOS token and has no BOS or unknown token"):
+        score_pad_id(eos_padded, "base")
