@@ -299,3 +299,11 @@ def test_a_tokenizer_that_pads_with_its_eos_pads_a_reward_model_with_another_tok
     eos_padded.bos_token = None
     with pytest.raises(FinetuneError, match="pads with its EOS token and has no BOS or unknown token"):
         score_pad_id(eos_padded, "base")
+
+
+def test_the_plan_counts_the_score_head_not_the_causal_lms(demo_assets):
+    from finetune.plan.shape import planned_model
+
+    recipe = load_recipe(_recipe(), [f"model.name_or_path={demo_assets / 'base'}"])
+    names = {name for name, _ in planned_model(recipe).named_parameters()}
+    assert "score.weight" in names and not any(name.startswith("lm_head") for name in names)

@@ -15,6 +15,7 @@ learns. A base that already is a reward model keeps its head.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 
 import torch
@@ -97,3 +98,14 @@ def task_type(config: PretrainedConfig) -> str:
     """PEFT's task type for adapters on this model: SEQ_CLS for a reward model (PEFT then trains and saves the
     `score` head in full beside the adapters, and loads the folder as a sequence classifier), else CAUSAL_LM."""
     return "SEQ_CLS" if is_reward_model(config) else "CAUSAL_LM"
+
+
+def as_reward_model(config: PretrainedConfig) -> PretrainedConfig:
+    """`config` as its reward model's (a copy): the family's sequence classifier with one output, which
+    `finetune.model.loading.meta_model` builds (a plan counts its score head, not the causal LM's output layer)."""
+    config = copy.deepcopy(config)
+    config.update(REGRESSION)
+    cls = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING.get(type(config), None)
+    if cls is not None:
+        config.architectures = [cls.__name__]
+    return config

@@ -19,6 +19,7 @@ from finetune.model.loading import (
     meta_model,
     positions_of,
 )
+from finetune.model.score_head import as_reward_model
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,10 @@ class ModelShape:
 
 
 def planned_model(recipe: RecipeConfig) -> PreTrainedModel:
-    """The recipe's model on the meta device, with its adapters when the recipe has a peft section."""
-    model = meta_model(load_model_config(recipe.model))
+    """The recipe's model on the meta device (a reward model's classifier for a reward_model section), with its
+    adapters when the recipe has a peft section."""
+    config = load_model_config(recipe.model)
+    model = meta_model(as_reward_model(config) if recipe.reward_model is not None else config)
     if recipe.peft is not None:
         from finetune.model.adapters import add_adapters  # imports peft: only for adapter recipes
 
