@@ -160,7 +160,8 @@ def build_run(recipe: RecipeConfig, resume_from: Path | None) -> Run:
     builder, weights = objective_for(recipe), weights_for(recipe)
     accelerator, policy, policy_line = setup_accelerator(recipe)
     tokenizer = setup_tokenizer(recipe, builder)
-    model, started_on_meta = setup_model(recipe, accelerator, policy, weights, resume_from, scores(builder, tokenizer))
+    reward_pad = tokenizer.pad_token_id if scores(builder) else None
+    model, started_on_meta = setup_model(recipe, accelerator, policy, weights, resume_from, reward_pad)
     names = tensor_names(model)  # before FSDP renames or flattens anything; saved with every checkpoint
     data = setup_data(recipe, tokenizer, accelerator, builder)
     generation = setup_generation(recipe, data, tokenizer)
@@ -173,7 +174,7 @@ def build_run(recipe: RecipeConfig, resume_from: Path | None) -> Run:
         recipe, accelerator, model, optimizer, tokenizer, weights
     )
     loss_path, loss_line = choose_loss_path(recipe.train.loss_path, accelerator.unwrap_model(model))
-    if getattr(builder, "head", "lm") == "score":  # no logits: the head gives one number per sequence
+    if scores(builder):  # no logits: the head gives one number per sequence
         loss_line = "scores: the scalar head at each sequence's last token (the end of its reply)"
     objective, routing_line, write_objective_files = setup_objective(
         BuildContext(recipe, accelerator, model, data, loss_path, weights, resume_from, tokenizer), builder
@@ -221,16 +222,14 @@ def setup_tokenizer(recipe: RecipeConfig, builder: ObjectiveBuilder) -> PreTrain
     tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
     setting = getattr(builder, "reference_setting", "the reference model")  # an objective of your own may lack it
     check_vocabulary(recipe.model, tokenizer, builder.reference_model, setting)
-    if scores(builder, tokenizer) is not None:  # a reward model pads with an id no scored sequence ends with
+    if scores(builder):  # a reward model pads with an id no scored sequence ends with
         tokenizer.pad_token = tokenizer.convert_ids_to_tokens(score_pad_id(tokenizer, recipe.model.name_or_path))
     return tokenizer
 
 
-def scores(builder: ObjectiveBuilder, tokenizer: PreTrainedTokenizerBase) -> int | None:
-    """The pad id of a reward model (an objective whose model outputs a `score`), or None for a causal LM."""
-    if getattr(builder, "head", "lm") != "score":
-        return None
-    return tokenizer.pad_token_id
+def scores(builder: ObjectiveBuilder) -> bool:
+    """Whether the objective trains a reward model (its model outputs a `score`, not a causal LM's logits)."""
+    return getattr(builder, "head", "lm") == "score"
 
 
 def setup_model(
@@ -239,16 +238,16 @@ def setup_model(
     policy: Policy,
     weights: Weights,
     resume_from: Path | None,
-    score_pad_id: int | None = None,
+    reward_pad: int | None = None,
 ) -> tuple[torch.nn.Module, bool]:
     """The model as it trains, not yet sharded, and whether this rank started without its weights; with
-    `score_pad_id`, a reward model (`finetune.model.score_head`)."""
+    `reward_pad` (its pad id), a reward model (`finetune.model.score_head`)."""
     # Under rank-0 loading (cpu_ram_efficient_loading) only rank 0 reads the weights; the others
     # start on the meta device and receive them from rank 0 while the model is sharded.
     started_on_meta = rank_zero_loading() and not accelerator.is_main_process
     model = load_model(
         recipe.model, policy, read_weights=not started_on_meta, quantization=weights.load_quantization(accelerator),
-        score_pad_id=score_pad_id,
+        score_pad_id=reward_pad,
     )  # fmt: skip
     fused = fuse(model, recipe.model.kernels)
     if fused:
