@@ -102,8 +102,8 @@ def _encode_batch(
     if all(isinstance(reply, str) for side in PAIR_COLUMNS for reply in batch[side]):
         sides = {side: _encode_texts(prompts, batch[side], side, indices, tokenizer, cfg) for side in PAIR_COLUMNS}
     else:
-        pairs = [_pair_conversations(*pair, index) for *pair, index in
-                 zip(prompts, batch["chosen"], batch["rejected"], indices, strict=True)]  # fmt: skip
+        triples = zip(prompts, batch["chosen"], batch["rejected"], indices, strict=True)
+        pairs = [prompted_conversations(p, {"chosen": c, "rejected": r}, index) for p, c, r, index in triples]
         tools = batch.get("tools")  # per sample, given to the template for both sides
         sides = {side: _encode_conversations([pair[n] for pair in pairs], side, indices, tokenizer, tools, cfg, whole)
                  for n, side in enumerate(PAIR_COLUMNS)}  # fmt: skip
@@ -188,20 +188,23 @@ def _encode_texts(
 _ASSISTANT, _USER = "assistant", "user"
 
 
-def _pair_conversations(prompt: Any, chosen: Any, rejected: Any, index: int) -> tuple[list[Any], list[Any]]:
-    """The two conversations of a pair of message lists: the shared prompt, then each side's completion, whose
-    assistant replies are the only ones compared (a reply inside the prompt is context: weight 0).
+def prompted_conversations(prompt: Any, sides: dict[str, Any], index: int) -> list[list[Any]]:
+    """The conversations of one prompt's completions (`sides`: a pair's chosen and rejected, or one completion),
+    as lists of messages: the shared prompt, then each side's completion, whose assistant replies are the only
+    ones compared (a reply inside the prompt is context: weight 0).
 
-    The prompt is, as TRL defines it: the `prompt` messages (also when chosen and rejected repeat them); text
-    `prompt` beside replies alone, the user's turn; else (no prompt, or text beside whole conversations that begin
-    with it, as ultrafeedback_binarized) the messages chosen and rejected share before they differ. A completion
-    may hold several turns: every assistant reply in it is compared, the user and tool turns between are context."""
-    for side, turns in (("chosen", chosen), ("rejected", rejected)):
+    The prompt is, as TRL defines it: the `prompt` messages (also when the sides repeat them); text `prompt` beside
+    replies alone, the user's turn; else (no prompt, or text beside whole conversations that begin with it, as
+    ultrafeedback_binarized) the messages the sides share before they differ (one side alone: all but its last
+    reply). A completion may hold several turns: every assistant reply in it is compared, the user and tool turns
+    between are context."""
+    names = " and ".join(sides)
+    for side, turns in sides.items():
         if not isinstance(turns, (list, str)) or not turns:
             raise FinetuneError(
                 f"sample {index}: {side} must be a list of messages or text, got {describe(turns)}; fix or remove it"
             )
-    for side, turns in (("chosen", chosen), ("rejected", rejected)):
+    for side, turns in sides.items():
         if isinstance(turns, str):
             raise FinetuneError(
                 f"sample {index}: {side} is text and the other side a list of messages; give both as text or both as "
@@ -209,20 +212,22 @@ def _pair_conversations(prompt: Any, chosen: Any, rejected: Any, index: int) -> 
             )
         if message_role(turns[-1]) != _ASSISTANT:
             raise FinetuneError(
-                f"sample {index}: {side} must end with the assistant reply that is preferred or not, got "
+                f"sample {index}: {side} must end with the assistant reply that is judged, got "
                 f"{describe(turns[-1])}; fix or remove the sample"
             )
+    completions = list(sides.values())
     if isinstance(prompt, str):
-        firsts = {_first_user_text(turns) for turns in (chosen, rejected)}
+        firsts = {_first_user_text(turns) for turns in completions}
         if firsts == {None}:  # the replies alone
             prompt = [{"role": "user", "content": prompt}]
         elif firsts == {prompt.strip()}:  # whole conversations, the prompt column their first turn again
             prompt = None
         else:
+            kind = "are conversations" if len(sides) > 1 else "is a conversation"
             raise FinetuneError(
-                f"sample {index}: prompt is text, but chosen and rejected are conversations whose first user turn is "
-                "other text; give chosen and rejected as the assistant's replies alone (the prompt is then the "
-                "user's turn), or as whole conversations that begin with the prompt"
+                f"sample {index}: prompt is text, but {names} {kind} whose first user turn is other text; give "
+                "them as the assistant's replies alone (the prompt is then the user's turn), or as whole "
+                "conversations that begin with the prompt"
             )
     elif prompt is not None and not isinstance(prompt, list):
         raise FinetuneError(
@@ -230,20 +235,28 @@ def _pair_conversations(prompt: Any, chosen: Any, rejected: Any, index: int) -> 
         )
     if prompt is None:
         shared = 0
-        while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+        while shared < min(map(len, completions)) - 1 and _same(completions, shared):
             shared += 1
-        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
-    elif prompt and chosen[: len(prompt)] == prompt and rejected[: len(prompt)] == prompt:
-        chosen, rejected = chosen[len(prompt) :], rejected[len(prompt) :]  # whole conversations with the prompt
-    for side, completion in (("chosen", chosen), ("rejected", rejected)):
+        prompt, completions = completions[0][:shared], [c[shared:] for c in completions]
+    elif prompt and all(c[: len(prompt)] == prompt for c in completions):
+        completions = [c[len(prompt) :] for c in completions]  # whole conversations with the prompt
+    for side, completion in zip(sides, completions, strict=True):
         if (role := message_role(completion[0])) != _ASSISTANT:
+            if len(sides) == 1:
+                raise FinetuneError(
+                    f"sample {index}: {side} goes on after the prompt with a {role} turn, not the assistant's reply; "
+                    "a completion must begin with the reply: fix or remove the sample"
+                )
             raise FinetuneError(
-                f"sample {index}: chosen and rejected have different prompts (after the messages both share, {side} "
-                f"goes on with a {role} turn, not the assistant's reply); a pair must answer the same "
-                "prompt: fix or remove it"
+                f"sample {index}: {names} have different prompts (after the messages both share, {side} goes on with "
+                f"a {role} turn, not the assistant's reply); a pair must answer the same prompt: fix or remove it"
             )
     context = [{**m, "weight": 0} if message_role(m) == _ASSISTANT and m.get("weight") is None else m for m in prompt]
-    return [*context, *chosen], [*context, *rejected]
+    return [[*context, *completion] for completion in completions]
+
+
+def _same(completions: list[list[Any]], n: int) -> bool:
+    return all(completion[n] == completions[0][n] for completion in completions)
 
 
 def _first_user_text(turns: list[Any]) -> str | None:
@@ -376,14 +389,24 @@ class PairStats:
 def collate_pairs(
     rows: list[dict[str, Any]], *, max_length: int, pad_id: int, packing: bool
 ) -> dict[str, torch.Tensor]:
-    """A micro-batch of pairs as model rows: its chosen sequences, then its rejected ones (sequence n and
-    n + pairs belong to pair n). Packed: sequences placed first-fit in decreasing length into rows of
-    `max_length` tokens, positions restarting per sequence (attention stays within it); else each padded
-    to the longest. `sequence_ids` names the sequence of each position with a target (-1 elsewhere); `last_index`
-    the last position of each sequence in the rows flattened (where a reward model reads its score); `margin` each
-    pair's margin column."""
+    """A micro-batch of pairs as model rows (`collate_sequences`): its chosen sequences, then its rejected ones
+    (sequence n and n + pairs belong to pair n), with each pair's `pair_index` and `margin` column."""
     sequences = [(row["chosen_ids"], row["chosen_targets"]) for row in rows]
     sequences += [(row["rejected_ids"], row["rejected_targets"]) for row in rows]
+    batch = collate_sequences(sequences, max_length=max_length, pad_id=pad_id, packing=packing)
+    batch["pair_index"] = torch.tensor([row["pair_index"] for row in rows])
+    batch["margin"] = torch.tensor([row.get("margin", 0.0) for row in rows], dtype=torch.float32)
+    return batch
+
+
+def collate_sequences(
+    sequences: list[tuple[list[int], list[int]]], *, max_length: int, pad_id: int, packing: bool
+) -> dict[str, torch.Tensor]:
+    """Sequences (ids, targets) whose log-probabilities or scores are taken one by one, as model rows. Packed:
+    placed first-fit in decreasing length into rows of `max_length` tokens, positions restarting per sequence
+    (attention stays within it); else each padded to the longest. `sequence_ids` names the sequence of each position
+    with a target (-1 elsewhere); `sequence_targets` counts each one's targets; `last_index` is the last position of
+    each sequence in the rows flattened (where a reward model reads its score)."""
     if packing:
         rows_of: list[list[int]] = []
         room: list[int] = []
@@ -421,9 +444,7 @@ def collate_pairs(
         "input_ids": torch.tensor(input_ids), "target_ids": torch.tensor(target_ids),
         "sequence_ids": torch.tensor(sequence_ids),
         "sequence_targets": torch.tensor([sum(t != IGNORE for t in targets) for _, targets in sequences]),
-        "pair_index": torch.tensor([row["pair_index"] for row in rows]), "last_index": torch.tensor(last_index),
-        "margin": torch.tensor([row.get("margin", 0.0) for row in rows], dtype=torch.float32),
-        "num_tokens": torch.tensor(sum(len(ids) for ids, _ in sequences)),
+        "last_index": torch.tensor(last_index), "num_tokens": torch.tensor(sum(len(ids) for ids, _ in sequences)),
     }  # fmt: skip
     if packing:
         batch["position_ids"] = torch.tensor(position_ids)
