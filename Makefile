@@ -29,7 +29,7 @@ TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b tr
 	train-qwen3-30b-a3b-lora \
 	train-gpt-oss-20b-lora train-mixtral-lora train-qwen-7b-tools train-8b-dpo train-qwen-7b-dpo \
 	train-qwen3-8b-grpo train-qwen3-8b-grpo-lora train-qwen3-8b-grpo-tools train-qwen3-1.7b-distill train-qwen3-1.7b-distill-on-policy
-.PHONY: help setup test-fast demo demo-lora demo-dpo demo-grpo demo-distill train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu \
+.PHONY: help setup test-fast demo demo-lora demo-dpo demo-kto demo-grpo demo-distill train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu \
 	gpu-wheels gpu-check test test-gpu lint format clean
 
 help: ## list the targets
@@ -78,6 +78,22 @@ demo-dpo: $(STAMP) ## the demo's second stage: DPO of the SFT model on correct-v
 	@test -f $(DEMO_DIR)/run/final/config.json || $(MAKE) --no-print-directory train-tiny ARGS="$(DEMO_RUN)"
 	$(MAKE) --no-print-directory train-tiny ARGS="output.dir=$(DEMO_DIR)/run-dpo $(DEMO_DPO) $(ARGS)"
 	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run-dpo --before $(DEMO_DIR)/run/final
+
+# KTO on the demo (docs/preference.md): the SFT run's export (made first if missing) tuned by KTO on the DPO demo's
+# pairs made unpaired (recipes/demo/tiny_llama_kto.yaml: 16 pairs = 32 samples a step), beside DPO on the same pairs
+# and steps; a report for each.
+demo-kto: $(STAMP) ## KTO of the SFT model from the demo's pairs made unpaired, beside DPO on the same steps; reports
+	$(OFFLINE) $(PY) -m finetune demo build --dir $(DEMO_DIR)
+	@test -f $(DEMO_DIR)/run/final/config.json || $(MAKE) --no-print-directory train-tiny ARGS="$(DEMO_RUN)"
+	@test -f $(DEMO_DIR)/run-dpo/final/config.json || $(MAKE) --no-print-directory train-tiny \
+		ARGS="output.dir=$(DEMO_DIR)/run-dpo $(DEMO_DPO)"
+	$(MAKE) --no-print-directory train-tiny DEMO_RECIPE=recipes/demo/tiny_llama_kto.yaml ARGS="$(DEMO_KTO) $(ARGS)"
+	@echo "DPO (make demo-dpo's run):"
+	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run-dpo --before $(DEMO_DIR)/run/final
+	@echo "KTO, the same pairs unpaired:"
+	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run-kto --before $(DEMO_DIR)/run/final
+DEMO_KTO := model.name_or_path=$(DEMO_DIR)/run/final data.train_path=$(DEMO_DIR)/data/pairs_train.jsonl \
+	data.eval_path=$(DEMO_DIR)/data/pairs_eval.jsonl output.dir=$(DEMO_DIR)/run-kto
 
 # Online RL on the demo: a partly trained SFT model (40 steps, made first if missing: about 40% exact match) trained
 # by GRPO with the exact-reversal reward (recipes/demo/tiny_llama_grpo.yaml), then the report before and after.

@@ -547,10 +547,12 @@ class PeftConfig:
 class PreferenceConfig:
     """Preference tuning on chosen/rejected pairs (absent: supervised fine-tuning); finetune.objectives.preference."""
 
-    loss: Literal["dpo", "ipo", "simpo", "orpo"] = "dpo"
+    loss: Literal["dpo", "ipo", "simpo", "orpo", "kto"] = "dpo"
     """dpo: the sigmoid loss of Rafailov et al. on summed log-ratios to the reference; ipo: the squared loss of
     Azar et al. on per-token log-ratios; simpo: reference-free, per-token log-probabilities with a target
-    margin; orpo: reference-free, the chosen reply's likelihood plus its odds ratio over the rejected one."""
+    margin; orpo: reference-free, the chosen reply's likelihood plus its odds ratio over the rejected one; kto:
+    Ethayarajh et al.'s loss on unpaired desirable and undesirable completions (pairs are split into one of
+    each), each log-ratio to the reference compared with a reference point (finetune.objectives.kto)."""
 
     beta: float = 0.1
     """Strength of the preference term: DPO/IPO's KL weight (IPO's tau), SimPO's reward scale, ORPO's
@@ -565,8 +567,15 @@ class PreferenceConfig:
     sft_weight: float = 0.0
     """Adds this x the chosen reply's mean negative log-likelihood to each pair's loss (RPO; TRL's `sft` term)."""
 
+    desirable_weight: float | None = None
+    """kto only: the weight of each desirable sample's loss (> 0; default 1). Ethayarajh et al. keep
+    (desirable_weight x desirable samples) / (undesirable_weight x undesirable samples) between 1 and 4/3."""
+
+    undesirable_weight: float | None = None
+    """kto only: the weight of each undesirable sample's loss (> 0; default 1)."""
+
     reference: Literal["auto", "precomputed", "model", "none"] = "auto"
-    """Where DPO/IPO's reference log-probabilities come from: precomputed (the initial weights' values for every
+    """Where DPO/IPO/KTO's reference log-probabilities come from: precomputed (the initial weights' values for every
     pair, computed once before the first step and stored with the data; auto for full fine-tuning), the same
     model with its adapters off (auto with a peft section), model (a second frozen copy: `reference_model`),
     none (simpo and orpo, auto for them)."""
@@ -577,6 +586,14 @@ class PreferenceConfig:
     @property
     def gamma(self) -> float:
         return 0.5 if self.simpo_gamma is None else self.simpo_gamma
+
+    @property
+    def weights(self) -> tuple[float, float]:
+        """kto: the desirable and the undesirable samples' loss weights."""
+        return (
+            1.0 if self.desirable_weight is None else self.desirable_weight,
+            1.0 if self.undesirable_weight is None else self.undesirable_weight,
+        )
 
     @property
     def reference_free(self) -> bool:
@@ -603,6 +620,14 @@ class PreferenceConfig:
             errors.append(f"preference.simpo_gamma applies to loss: simpo, not {self.loss}; remove it")
         if self.sft_weight < 0:
             errors.append(f"preference.sft_weight must be >= 0, got {self.sft_weight}")
+        if self.sft_weight and self.loss == "kto":
+            errors.append("preference.sft_weight adds to a pair's loss, and kto has no pairs; remove it")
+        for name in ("desirable_weight", "undesirable_weight"):
+            weight = getattr(self, name)
+            if weight is not None and self.loss != "kto":
+                errors.append(f"preference.{name} applies to loss: kto, not {self.loss}; remove it")
+            elif weight is not None and weight <= 0:
+                errors.append(f"preference.{name} must be > 0, got {weight}")
         if self.reference_free and self.reference not in ("auto", "none"):
             errors.append(
                 f"preference.loss={self.loss} uses no reference model; set preference.reference=auto (or none)"

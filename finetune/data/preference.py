@@ -100,12 +100,12 @@ def _encode_batch(
 ) -> dict[str, list]:
     prompts = batch.get("prompt", [None] * len(indices))
     if all(isinstance(reply, str) for side in PAIR_COLUMNS for reply in batch[side]):
-        sides = {side: _encode_texts(prompts, batch[side], side, indices, tokenizer, cfg) for side in PAIR_COLUMNS}
+        sides = {side: encode_texts(prompts, batch[side], side, indices, tokenizer, cfg) for side in PAIR_COLUMNS}
     else:
         triples = zip(prompts, batch["chosen"], batch["rejected"], indices, strict=True)
         pairs = [prompted_conversations(p, {"chosen": c, "rejected": r}, index) for p, c, r, index in triples]
         tools = batch.get("tools")  # per sample, given to the template for both sides
-        sides = {side: _encode_conversations([pair[n] for pair in pairs], side, indices, tokenizer, tools, cfg, whole)
+        sides = {side: encode_conversations([pair[n] for pair in pairs], side, indices, tokenizer, tools, cfg, whole)
                  for n, side in enumerate(PAIR_COLUMNS)}  # fmt: skip
     out: dict[str, list] = {key: [] for key in PAIRS}
     out["margin"] = _margins(batch.get("margin"), indices)
@@ -160,7 +160,7 @@ class _Side:
         return [token if trained else IGNORE for token, trained in zip(self.reply, self.trained, strict=True)]
 
 
-def _encode_texts(
+def encode_texts(
     prompts: list[Any],
     replies: list[str],
     side: str,
@@ -267,7 +267,7 @@ def _first_user_text(turns: list[Any]) -> str | None:
     return text.strip() if isinstance(text, str) else describe(text)
 
 
-def _encode_conversations(
+def encode_conversations(
     conversations: list[list[Any]],
     side: str,
     indices: list[int],

@@ -232,6 +232,11 @@ def _tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg
             "the data holds preference pairs (chosen, rejected); add a preference section to train on them "
             "(e.g. preference.loss=dpo), or give supervised data"
         )
+    if "label" in dataset.column_names and "completion" in dataset.column_names:
+        raise FinetuneError(
+            "the data holds unpaired feedback (completion, label): supervised fine-tuning would train on the "
+            "undesirable completions too; add preference.loss=kto to learn from the labels, or remove the label column"
+        )
     if fmt == "chat" and not tokenizer.chat_template:
         raise FinetuneError(
             "the data is chat (messages) but the tokenizer has no chat template; use an instruct model's tokenizer, "

@@ -20,7 +20,10 @@ A new objective is a module here with both; a recipe names one of its own with `
 Normalization is the loop's: a step minimizes (sum of unit losses) / (units in the whole step, over
 all micro-batches and processes), so any split of the same global batch gives the same update.
 
-Beside the objectives (`supervised`, `preference`, `grpo`, `distill`, `reward_model`, `balanced`) live what they
+An objective whose metrics are not all means over the step's units names, in `metric_units`, the metric whose sum
+divides each of the others (KTO's rewards of desirable samples, over the desirable samples).
+
+Beside the objectives (`supervised`, `preference`, `kto`, `grpo`, `distill`, `reward_model`, `balanced`) live what they
 share: the losses and their chunked paths (`loss`, `divergence`), online RL's advantages and policy loss (`advantages`,
 `policy_loss`), frozen reference models and precomputed references (`reference`) and a teacher's top-k table
 (`teacher_table`).
@@ -46,6 +49,7 @@ from finetune.errors import imported
 from finetune.objectives.balanced import WithBalancingLoss
 from finetune.objectives.distill import Distill, DistillBuilder
 from finetune.objectives.grpo import GRPO, GRPOBuilder
+from finetune.objectives.kto import KTO, KTOBuilder
 from finetune.objectives.preference import Preference, PreferenceBuilder
 from finetune.objectives.reward_model import RewardModel, RewardModelBuilder
 from finetune.objectives.supervised import Supervised, SupervisedBuilder
@@ -56,7 +60,7 @@ if TYPE_CHECKING:
     from finetune.objectives.loss import LossPath
 
 __all__ = [
-    "GRPO", "WithBalancingLoss", "BuildContext", "Distill", "Objective", "ObjectiveBuilder", "Preference",
+    "GRPO", "KTO", "WithBalancingLoss", "BuildContext", "Distill", "Objective", "ObjectiveBuilder", "Preference",
     "RewardModel", "Supervised", "objective_for", "with_rollout",
 ]  # fmt: skip
 
@@ -163,15 +167,16 @@ def with_rollout(objective: Objective) -> Objective:
 
 def objective_for(recipe: RecipeConfig) -> ObjectiveBuilder:
     """The recipe's objective: `train.objective` (a `module:attribute` taking the recipe and returning an
-    ObjectiveBuilder), else online RL with an `rl` section, preference tuning with a `preference` section,
-    distillation with a `distill` section, a reward model with a `reward_model` section, else supervised
-    fine-tuning."""
+    ObjectiveBuilder), else online RL with an `rl` section, preference tuning with a `preference` section (KTO
+    with its loss kto), distillation with a `distill` section, a reward model with a `reward_model` section, else
+    supervised fine-tuning."""
     if recipe.train.objective is not None:
         return _imported(recipe.train.objective)(recipe)
     if recipe.rl is not None:
         return GRPOBuilder(recipe.rl, recipe.model)
     if recipe.preference is not None:
-        return PreferenceBuilder(recipe.preference)
+        kto = recipe.preference.loss == "kto"
+        return KTOBuilder(recipe.preference) if kto else PreferenceBuilder(recipe.preference)
     if recipe.distill is not None:
         return DistillBuilder(recipe.distill, recipe.data, recipe.model)
     if recipe.reward_model is not None:

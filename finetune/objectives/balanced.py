@@ -38,6 +38,10 @@ class WithBalancingLoss:
         return (*self.inner.metric_names, "aux_loss")
 
     @property
+    def metric_units(self) -> dict[str, str]:
+        return getattr(self.inner, "metric_units", {})
+
+    @property
     def progress_name(self) -> str | None:
         return self.inner.progress_name
 

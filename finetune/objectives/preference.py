@@ -17,11 +17,9 @@ average log-probability for SimPO and ORPO, as TRL logs them.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,20 +33,9 @@ from finetune.engine.batch import Batch
 from finetune.engine.sequence import SequenceParallel, gather_rows, sequence_parallel
 from finetune.engine.wrap import reshard
 from finetune.model.dropout import disable_dropout
-from finetune.model.loading import base_fingerprint, model_folder
 from finetune.model.weights import BaseSwitch
 from finetune.objectives.loss import LossPath, sequence_logps
-from finetune.objectives.reference import (
-    REFERENCE_FILE,
-    cache_path,
-    check_resumable,
-    compute_reference,
-    frozen_model,
-    read_reference,
-    reference_key,
-    write_reference,
-)
-from finetune.storage.fingerprint import sampled_fingerprint
+from finetune.objectives.reference import frozen_model, precomputed_reference
 
 if TYPE_CHECKING:
     from finetune.objectives import BuildContext
@@ -241,28 +228,8 @@ class PreferenceBuilder:
             objective.reference_model = self._reference_model(context)
         if reference != "precomputed":
             return objective, lambda: None
-        recipe, accelerator, data = context.recipe, context.accelerator, context.data
-        numerics = f"{context.loss_path}:{accelerator.mixed_precision}:{recipe.model.dtype}:{recipe.data.packing}"
-        key = reference_key(base_fingerprint(recipe.model.name_or_path), data.splits, numerics)
-        output_file = Path(recipe.output.dir) / REFERENCE_FILE
-        cached = cache_path(data.splits[0], key)
-        if context.resume_from is not None:
-            table = read_reference(output_file, key)
-            folder = model_folder(recipe.model.name_or_path)
-            if table is None and folder is not None:  # a run begun by an earlier version keyed it by sampled bytes
-                table = read_reference(output_file, reference_key(sampled_fingerprint(folder), data.splits, numerics))
-            table = check_resumable(table, Path(recipe.output.dir))
-        elif cached is not None and (table := read_reference(cached, key)) is not None:
-            accelerator.print(f"reference: log-probabilities of {len(table):,} pairs read from {cached}")
-        else:
-            table = compute_reference(
-                context.model, data.splits, data.collate, accelerator, recipe.train.micro_batch_size, context.loss_path
-            )
-            if cached is not None and accelerator.is_main_process:
-                write_reference(cached, table, key)
-        # On the device, where the step looks pairs up by their index without a copy back to the host.
-        objective.reference_logps = table.to(accelerator.device)
-        return objective, functools.partial(write_reference, output_file, table, key)
+        objective.reference_logps, write = precomputed_reference(context)
+        return objective, write
 
     def _reference_model(self, context: BuildContext) -> torch.nn.Module:
         return frozen_model(

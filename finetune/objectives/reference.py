@@ -14,11 +14,12 @@ by then the weights have trained, so they can never be recomputed there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import torch
@@ -34,10 +35,14 @@ from finetune.engine.sequence import data_parallel_rank, data_parallel_size, seq
 from finetune.engine.wrap import reshard, shard_frozen
 from finetune.errors import FinetuneError
 from finetune.model.dropout import disable_dropout
-from finetune.model.loading import DTYPES, load_model
+from finetune.model.loading import DTYPES, base_fingerprint, load_model, model_folder
 from finetune.model.routing import route_in_fp32
 from finetune.objectives.loss import LossPath, sequence_logps
 from finetune.storage.atomic import private_partial, publish_shared
+from finetune.storage.fingerprint import sampled_fingerprint
+
+if TYPE_CHECKING:
+    from finetune.objectives import BuildContext
 
 REFERENCE_FILE = "reference_logps.safetensors"
 
@@ -87,6 +92,13 @@ def dealt_batches(
         yield {key: value.to(accelerator.device) for key, value in collate(chosen).items()}
 
 
+def pair_columns(model: torch.nn.Module, batch: dict[str, torch.Tensor], loss_path: LossPath) -> torch.Tensor:
+    """(pairs, 2): a micro-batch of pairs' chosen and rejected log-probabilities (`compute_reference`'s default)."""
+    logps = sequence_logps(model, batch, loss_path)
+    pairs = batch["pair_index"].numel()
+    return torch.stack([logps[:pairs], logps[pairs:]], dim=1)
+
+
 @torch.no_grad()
 def compute_reference(
     model: torch.nn.Module,
@@ -95,9 +107,12 @@ def compute_reference(
     accelerator: Accelerator,
     micro_batch_size: int,
     loss_path: LossPath,
+    columns: Callable[[torch.nn.Module, dict[str, torch.Tensor], LossPath], torch.Tensor] = pair_columns,
+    noun: str = "pairs",
 ) -> torch.Tensor:
-    """(pairs, 2): each pair's chosen and rejected log-probabilities under the model as it is, by `pair_index`
-    (train and eval pairs are numbered in one range). A collective: every process calls it."""
+    """(samples, 2): each sample's log-probabilities under the model as it is, by `pair_index` (train and eval are
+    numbered in one range), as `columns` takes them from a micro-batch: a pair's chosen and rejected sequence, or
+    (KTO) a sample's own sequence and its mismatched one. A collective: every process calls it."""
     total = sum(len(split) for split in splits)
     table = torch.full((total, 2), float("nan"), dtype=torch.float64)
     sp = sequence_parallel(accelerator)
@@ -105,11 +120,9 @@ def compute_reference(
     began = time.perf_counter()
     for split in splits:
         values, owners = [], []
-        for batch in dealt_batches(split, collate, accelerator, micro_batch_size):  # a repeated pair: one value
-            logps = sequence_logps(model, batch, loss_path)
-            logps = (sp.sum(logps) if sp is not None else logps).double()
-            pairs = batch["pair_index"].numel()
-            values.append(torch.stack([logps[:pairs], logps[pairs:]], dim=1))
+        for batch in dealt_batches(split, collate, accelerator, micro_batch_size):  # a repeated sample: one value
+            logps = columns(model, batch, loss_path)
+            values.append((sp.sum(logps) if sp is not None else logps).double())
             owners.append(batch["pair_index"])
         if not values:
             continue
@@ -118,13 +131,45 @@ def compute_reference(
         table[indices] = gathered
     reshard(model)
     model.train()
-    if torch.isnan(table).any():  # an invariant: every pair was computed by some process
-        raise RuntimeError("the precomputed reference misses pairs")
+    if torch.isnan(table).any():  # an invariant: every sample was computed by some process
+        raise RuntimeError("the precomputed reference misses samples")
     accelerator.print(
-        f"reference: log-probabilities of {total:,} pairs precomputed with the initial weights in "
+        f"reference: log-probabilities of {total:,} {noun} precomputed with the initial weights in "
         f"{time.perf_counter() - began:.1f} s (preference.reference=precomputed)"
     )
     return table
+
+
+def precomputed_reference(
+    context: BuildContext,
+    columns: Callable[[torch.nn.Module, dict[str, torch.Tensor], LossPath], torch.Tensor] = pair_columns,
+    noun: str = "pairs",
+) -> tuple[torch.Tensor, Callable[[], None]]:
+    """The run's precomputed reference table (`compute_reference`), on the device, and what writes it into the output
+    dir: read from there when resuming, from beside the tokenized data when this base and data computed it before,
+    else computed now (a collective) and stored beside the data."""
+    recipe, accelerator, data = context.recipe, context.accelerator, context.data
+    numerics = f"{context.loss_path}:{accelerator.mixed_precision}:{recipe.model.dtype}:{recipe.data.packing}"
+    key = reference_key(base_fingerprint(recipe.model.name_or_path), data.splits, numerics)
+    output_file = Path(recipe.output.dir) / REFERENCE_FILE
+    cached = cache_path(data.splits[0], key)
+    if context.resume_from is not None:
+        table = read_reference(output_file, key)
+        folder = model_folder(recipe.model.name_or_path)
+        if table is None and folder is not None:  # a run begun by an earlier version keyed it by sampled bytes
+            table = read_reference(output_file, reference_key(sampled_fingerprint(folder), data.splits, numerics))
+        table = check_resumable(table, Path(recipe.output.dir))
+    elif cached is not None and (table := read_reference(cached, key)) is not None:
+        accelerator.print(f"reference: log-probabilities of {len(table):,} {noun} read from {cached}")
+    else:
+        table = compute_reference(
+            context.model, data.splits, data.collate, accelerator, recipe.train.micro_batch_size, context.loss_path,
+            columns, noun,
+        )  # fmt: skip
+        if cached is not None and accelerator.is_main_process:
+            write_reference(cached, table, key)
+    # On the device, where the step looks samples up by their index without a copy back to the host.
+    return table.to(accelerator.device), functools.partial(write_reference, output_file, table, key)
 
 
 def check_resumable(table: torch.Tensor | None, output_dir: Path) -> torch.Tensor:

@@ -142,18 +142,25 @@ def _active_mlp_width(units: list[torch.nn.Module], experts: Experts, hidden: in
 def micro_batch_line(recipe: RecipeConfig) -> str:
     if recipe.rl is not None:
         return f"{recipe.train.micro_batch_size} prompts ({sequences_per_forward(recipe)} completions)"
-    if recipe.preference is None:
+    if _kto(recipe):
+        return f"{recipe.train.micro_batch_size} samples"
+    if recipe.pairs_section is None:
         return str(recipe.train.micro_batch_size)
     return f"{recipe.train.micro_batch_size} pairs ({sequences_per_forward(recipe)} sequences)"
 
 
+def _kto(recipe: RecipeConfig) -> bool:
+    return recipe.preference is not None and recipe.preference.loss == "kto"
+
+
 def sequences_per_forward(recipe: RecipeConfig) -> int:
-    """Sequences in one forward: a micro-batch of pairs is twice its size (chosen and rejected), of prompts
-    `num_generations` times it (their completions). The reference's pass (precomputed before training, or the
-    adapters switched off) runs without gradients: no activations kept."""
+    """Sequences in one forward with gradients: a micro-batch of pairs is twice its size (chosen and rejected), of
+    prompts `num_generations` times it (their completions). The reference's pass (precomputed before training, or
+    the adapters switched off) and KTO's mismatched sequences run without gradients: no activations kept."""
     if recipe.rl is not None:
         return recipe.train.micro_batch_size * recipe.rl.num_generations
-    return recipe.train.micro_batch_size * (2 if recipe.preference is not None else 1)
+    pairs = recipe.pairs_section is not None and not _kto(recipe)
+    return recipe.train.micro_batch_size * (2 if pairs else 1)
 
 
 def rollout_rows(recipe: RecipeConfig, launch: Launch) -> int:
