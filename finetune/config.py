@@ -663,13 +663,28 @@ class RewardModelConfig:
 
 @dataclass(kw_only=True)
 class RewardConfig:
-    """One reward of online RL (`finetune.rollouts.rewards`): a built-in by name, or a function of your own."""
+    """One reward of online RL (`finetune.rollouts.rewards`): a built-in by name, a function of your own, or a
+    reward model's folder."""
 
-    function: str
+    function: str | None = None
     """`exact_match` (the completion, or what `pattern` extracts from it, equals the `column`'s value; both
     stripped), `regex` (1.0 when the completion matches `pattern` whole, else 0.0), or `module:function`, called
     as TRL calls a reward function: `prompts=`, `completions=`, `completion_ids=` and every other column of the
-    data as keyword arguments, returning a float (or None: not scored) per completion."""
+    data as keyword arguments, returning a float (or None: not scored) per completion. Or, instead, `model`."""
+
+    model: str | None = None
+    """A reward model's folder or hub id (a sequence classifier with one label, as a `reward_model` run exports it):
+    each episode rendered with its own tokenizer and chat template and scored raw, the model frozen and sharded with
+    the policy's per-layer units (`finetune.rollouts.reward_model`)."""
+
+    max_length: int | None = None
+    """model: the longest rendering scored; a longer one is scored on its last max_length tokens (its start cut,
+    never its end, where the score is read) and counted in rewards/<name>/truncated. Unset: the reward model's
+    max_position_embeddings."""
+
+    micro_batch_size: int | None = None
+    """model: renderings per forward; unset: the policy's rows per rollout micro-batch (train.micro_batch_size x
+    rl.num_generations)."""
 
     weight: float = 1.0
     """The reward's weight in the sum that is normalized into advantages."""
@@ -692,10 +707,22 @@ class RewardConfig:
 
     @property
     def name(self) -> str:
-        return self.label or self.function.rpartition(":")[2]
+        if self.label:
+            return self.label
+        return self.function.rpartition(":")[2] if self.function else Path(self.model or "").name
 
     def errors(self) -> list[str]:
-        errors = []
+        if (self.function is None) == (self.model is None):
+            return ["rl.rewards: each reward is a function or a model (a reward model's folder); give one of them"]
+        if self.model is not None:
+            given = [name for name in ("column", "pattern", "cache") if getattr(self, name) is not None]
+            errors = [f"rl.rewards: {name} applies to a function, not to a reward model; remove it" for name in given]
+            for name in ("max_length", "micro_batch_size"):
+                if (value := getattr(self, name)) is not None and value < 1:
+                    errors.append(f"rl.rewards: {name} must be >= 1, got {value}")
+            return errors
+        errors = [f"rl.rewards: {name} applies to a reward model; remove it (or give the model)"
+                  for name in ("max_length", "micro_batch_size") if getattr(self, name) is not None]  # fmt: skip
         if self.function not in BUILTIN_REWARDS and not re.fullmatch(r"[\w.]+:[\w.]+", self.function):
             errors.append(
                 f"rl.rewards: function={self.function} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor "

@@ -46,6 +46,7 @@ from finetune.model.dropout import disable_dropout
 from finetune.model.loading import load_model_config
 from finetune.model.weights import BaseSwitch
 from finetune.objectives.advantages import advantages
+from finetune.objectives.learned_reward import ModelReward, learned_reward
 from finetune.objectives.loss import LossPath, token_logps
 from finetune.objectives.policy_loss import summed_loss, token_losses
 from finetune.objectives.rollout_groups import Sampled, dealt, summed_over_processes
@@ -143,8 +144,18 @@ class GRPO:
         summed = summed_loss(self.cfg, losses.per_token, mask, sequence, completions)
         return summed, torch.zeros(0)
 
+    @property
+    def learned_rewards(self) -> list[ModelReward]:
+        return [reward.function for reward in self.rewards if isinstance(reward.function, ModelReward)]
+
     def periodic_metrics(self, accelerator: Accelerator) -> dict[str, float]:
-        return self.window.metrics(accelerator, self.cfg.beta)
+        metrics = self.window.metrics(accelerator, self.cfg.beta)
+        for learned in self.learned_rewards:  # the share of episodes a reward model scored on their end only
+            counts = accelerator.reduce(torch.tensor(learned.take_counts(), device=accelerator.device), "sum")
+            truncated, scored = counts.tolist()
+            if scored:
+                metrics[f"rewards/{learned.name}/truncated"] = truncated / scored
+        return metrics
 
     def rollout(
         self,
@@ -404,7 +415,7 @@ class GRPOBuilder:
         # Before anything loads: an import error is found in seconds, a cache the model's layers cannot use too.
         if cfg.rollout_cache == "static":
             check_static_cache(load_model_config(model), model.name_or_path)
-        self.rewards = build_rewards(cfg.rewards, cfg.max_new_tokens)
+        self.rewards = build_rewards(cfg.rewards, cfg.max_new_tokens, learned_reward)
         self.tools = load_tools(cfg.tools)
         factory = cfg.environment_factory
         self.environment = EnvironmentFactory.load(factory, self.tools) if factory else None
@@ -448,6 +459,9 @@ class GRPOBuilder:
             base = context.recipe.model
             objective.reference_model = frozen_model(base, base.name_or_path, accelerator,
                                                      "rl.beta > 0: the initial weights")  # fmt: skip
+        rows = context.recipe.train.micro_batch_size * self.cfg.num_generations
+        for learned in objective.learned_rewards:
+            learned.load(context.recipe.model, accelerator, rows)
         models = [model] + ([accelerator.unwrap_model(objective.reference_model)] if objective.reference_model else [])
         objective.share_prompts, line = _share_prompts(models)
         accelerator.print(line)

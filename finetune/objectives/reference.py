@@ -183,7 +183,12 @@ def check_resumable(table: torch.Tensor | None, output_dir: Path) -> torch.Tenso
 
 
 def frozen_model(
-    model: ModelConfig, name_or_path: str, accelerator: Accelerator, setting: str, role: str = "reference"
+    model: ModelConfig,
+    name_or_path: str,
+    accelerator: Accelerator,
+    setting: str,
+    role: str = "reference",
+    score_pad_id: int | None = None,
 ) -> torch.nn.Module:
     """A second model to compare with or learn from (`setting` names what asked for it and `role` what it is, for
     the log): loaded as the policy's config says (its dtype and attention), frozen, without dropout, in eval mode,
@@ -193,7 +198,7 @@ def frozen_model(
     would only double its memory for the same values (unsharded, autocast keeps some of its work in float32)."""
     name = frozen_dtype(model, accelerator)
     cfg = dataclasses.replace(model, name_or_path=name_or_path, config_file=None, dtype=name)
-    reference = load_model(cfg, "none")
+    reference = load_model(cfg, "none", score_pad_id=score_pad_id)  # with score_pad_id: a reward model
     reference.requires_grad_(False)
     disable_dropout(reference)
     route_in_fp32(reference)  # as the policy routes (a dense model has no routers)

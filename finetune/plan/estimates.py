@@ -201,6 +201,7 @@ def estimate(shape: ModelShape, recipe: RecipeConfig, launch: Launch, strategy: 
         parameters += shape.parameters * frozen_param // shards  # the frozen reference, sharded as the policy
     if recipe.rl is not None and recipe.rl.beta and recipe.peft is None:
         parameters += shape.parameters * frozen_param // shards  # the initial weights, the KL penalty's reference
+    parameters += shape.reward_models * frozen_param // shards  # online RL's reward models, sharded as the policy
     # A distillation teacher: beside the model while training, or only while its table is computed.
     table = shape.teacher_table
     teacher = shape.teacher * frozen_param // shards

@@ -50,6 +50,9 @@ class ModelShape:
     teacher_hidden: int = 0
     teacher_table: bool = False
     """distill.teacher_top_k: the teacher is loaded for its table, then freed; none while training."""
+    reward_models: int = 0
+    """The parameters of online RL's reward models (`rl.rewards` entries with a model: frozen, sharded as the
+    policy)."""
     positions: int | None = None
     """The longest row the model (and its teacher, which reads the same rows) attends: the fewest positions their
     configs give, after config_overrides; None where neither says."""
@@ -73,6 +76,10 @@ def recipe_shape(recipe: RecipeConfig, model: PreTrainedModel | None = None) -> 
     """The shape of the recipe's model (`model`, where the caller built it already), with its distillation teacher's
     size when it has one."""
     shape = model_shape(model if model is not None else planned_model(recipe))
+    if recipe.rl is not None:
+        scorers = [ModelConfig(name_or_path=reward.model) for reward in recipe.rl.rewards if reward.model is not None]
+        counted = [model_shape(meta_model(load_model_config(cfg, "rl.rewards model"))).parameters for cfg in scorers]
+        shape = replace(shape, reward_models=sum(counted))
     if recipe.distill is None:
         return shape
     if recipe.distill.teacher_config_file is None:

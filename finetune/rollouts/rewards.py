@@ -85,12 +85,21 @@ def unfinished_only(per_function: torch.Tensor, ends: list[str], names: list[str
     return per_function
 
 
-def build_rewards(configs: list[RewardConfig], max_new_tokens: int | None = None) -> list[Reward]:
+def build_rewards(
+    configs: list[RewardConfig],
+    max_new_tokens: int | None = None,
+    learned: Callable[[RewardConfig], Callable[..., Sequence[float | None]]] | None = None,
+) -> list[Reward]:
     """The recipe's rewards, imported and checked (one message naming the fix for each kind of mistake);
-    `max_new_tokens`, the completions' limit, is what `overlong` measures against."""
+    `max_new_tokens`, the completions' limit, is what `overlong` measures against; `learned` makes the function of
+    an entry that names a reward model (`finetune.objectives.learned_reward`)."""
     rewards = []
     for cfg in configs:
-        if cfg.function == "overlong":
+        if cfg.model is not None:
+            if learned is None:
+                raise ValueError("build_rewards: a reward model's entry needs `learned`")
+            rewards.append(Reward(cfg.name, cfg.weight, learned(cfg), None))
+        elif cfg.function == "overlong":
             if max_new_tokens is None:
                 raise ValueError("build_rewards: overlong needs the completions' limit, max_new_tokens")
             rewards.append(Reward(cfg.name, cfg.weight, _overlong(max_new_tokens, cfg.cache or 0), None))
