@@ -17,6 +17,7 @@ A pair whose chosen and rejected replies are the same teaches nothing and is dro
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -311,6 +312,26 @@ def encode_conversations(
     return sides
 
 
+def tokenized_sources(
+    parts: list[tuple[Any, datasets.Dataset]],
+    wheres: list[str | None],
+    cfg: DataConfig,
+    tokenize: Callable[[datasets.Dataset], datasets.Dataset],
+) -> datasets.Dataset:
+    """Each source tokenized (a refusal named by its source; data.invalid=drop's share checked per source), then
+    mixed into one dataset."""
+    tokenized = []
+    for (_, dataset), where in zip(parts, wheres, strict=True):
+        try:
+            samples = tokenize(dataset)
+            if cfg.invalid == "drop":
+                check_invalid_share(samples, "the data")
+        except FinetuneError as exc:
+            raise FinetuneError(f"{where}: {exc}" if where else str(exc)) from None
+        tokenized.append(samples)
+    return tokenized[0] if len(tokenized) == 1 else datasets.concatenate_datasets(tokenized)
+
+
 def prepare_pairs(
     parts: list[tuple[Any, datasets.Dataset]],
     tokenizer: PreTrainedTokenizerBase,
@@ -322,16 +343,7 @@ def prepare_pairs(
     """Tokenize each source's pairs, drop (and count) those too long, with equal replies or (data.invalid=drop)
     malformed, mix, and number the pairs kept from `first_index` (`pair_index`: where a precomputed reference is
     looked up)."""
-    tokenized = []
-    for (_, dataset), where in zip(parts, wheres, strict=True):
-        try:
-            pairs = tokenize_pairs(dataset, tokenizer, cfg, whole)
-            if cfg.invalid == "drop":
-                check_invalid_share(pairs, "the data")
-        except FinetuneError as exc:
-            raise FinetuneError(f"{where}: {exc}" if where else str(exc)) from None
-        tokenized.append(pairs)
-    every = tokenized[0] if len(tokenized) == 1 else datasets.concatenate_datasets(tokenized)
+    every = tokenized_sources(parts, wheres, cfg, lambda dataset: tokenize_pairs(dataset, tokenizer, cfg, whole))
     stats = PairStats.of(every, cfg.train_on_reasoning)
     if stats.num_pairs == 0:
         cut = "even with their prompt cut" if cfg.truncation == "truncate" else "(data.truncation=drop)"

@@ -38,9 +38,10 @@ from finetune.data.preference import (
     encode_conversations,
     encode_texts,
     prompted_conversations,
+    tokenized_sources,
 )
 from finetune.data.sources import SAMPLE_INDEX, source_name
-from finetune.data.tokenize import IGNORE, check_invalid_share, map_processes
+from finetune.data.tokenize import IGNORE, map_processes
 from finetune.engine.quiet import no_datasets_bars
 from finetune.errors import FinetuneError
 
@@ -171,16 +172,7 @@ def prepare_unpaired(
     """Tokenize each source's samples, drop (and count) those too long or (data.invalid=drop) malformed, mix, give
     each its mismatched partner, and number them from `first_index` (`pair_index`: where a precomputed reference is
     looked up)."""
-    tokenized = []
-    for (_, dataset), where in zip(parts, wheres, strict=True):
-        try:
-            samples = tokenize_unpaired(dataset, tokenizer, cfg)
-            if cfg.invalid == "drop":
-                check_invalid_share(samples, "the data")
-        except FinetuneError as exc:
-            raise FinetuneError(f"{where}: {exc}" if where else str(exc)) from None
-        tokenized.append(samples)
-    every = tokenized[0] if len(tokenized) == 1 else datasets.concatenate_datasets(tokenized)
+    every = tokenized_sources(parts, wheres, cfg, lambda dataset: tokenize_unpaired(dataset, tokenizer, cfg))
     stats = UnpairedStats.of(every, cfg.train_on_reasoning)
     if stats.num_samples == 0:
         cut = "even with their prompt cut" if cfg.truncation == "truncate" else "(data.truncation=drop)"
