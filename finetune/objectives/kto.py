@@ -38,7 +38,8 @@ from finetune.errors import FinetuneError
 from finetune.model.dropout import disable_dropout
 from finetune.model.weights import BaseSwitch
 from finetune.objectives.loss import LossPath, sequence_logps
-from finetune.objectives.reference import frozen_model, precomputed_reference
+from finetune.objectives.metrics import unit_means
+from finetune.objectives.reference import chosen_reference
 
 if TYPE_CHECKING:
     from finetune.objectives import BuildContext
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 METRICS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "desirable", "undesirable", "kl")
 METRIC_UNITS = {"rewards/chosen": "desirable", "logps/chosen": "desirable", "rewards/rejected": "undesirable",
                 "logps/rejected": "undesirable"}  # fmt: skip
-"""Each kind's means are over that kind's samples (`finetune.run.loop.step_means`)."""
+"""Each kind's means are over that kind's samples (`finetune.objectives.metrics.unit_means`)."""
 
 
 @dataclass(frozen=True)
@@ -172,11 +173,7 @@ class KTO:
         labels = labels.bool()
         result = kto_losses(self.cfg, ratio, torch.zeros_like(ratio), point, labels)
         sums = dict(zip(METRICS, kind_sums(result, policy, labels, point).tolist(), strict=True))
-        means = {}
-        for name, value in sums.items():  # as the loop's step_means: each kind's over its own samples
-            count = sums[METRIC_UNITS[name]] if name in METRIC_UNITS else len(labels)
-            if count:
-                means[name] = value / count
+        means = unit_means(sums, len(labels), METRIC_UNITS)
         if "rewards/chosen" in means and "rewards/rejected" in means:
             means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
         return {"loss": result.losses.mean().item(), **means}
@@ -215,17 +212,10 @@ class KTOBuilder:
             )
         if (advice := weight_advice(self.cfg, context.data.train_stats)) is not None:
             accelerator.print(advice)
-        switch = context.weights.base_switch()
-        reference = self.cfg.resolved_reference(base_switch=switch is not None)
-        objective = KTO(self.cfg, context.loss_path, reference, base_switch=switch)
-        if reference == "model":
-            objective.reference_model = frozen_model(
-                context.recipe.model, self.cfg.reference_model, accelerator, "preference.reference=model"
-            )
-        if reference != "precomputed":
-            return objective, lambda: None
-        objective.reference_logps, write = precomputed_reference(context, sample_columns, "samples")
-        return objective, write
+        reference = chosen_reference(self.cfg, context, sample_columns, "samples")
+        objective = KTO(self.cfg, context.loss_path, reference.kind, reference_logps=reference.logps,
+                        reference_model=reference.model, base_switch=reference.base_switch)  # fmt: skip
+        return objective, reference.write
 
 
 def weight_advice(cfg: PreferenceConfig, stats: UnpairedStats) -> str | None:

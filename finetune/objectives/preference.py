@@ -35,7 +35,7 @@ from finetune.engine.wrap import reshard
 from finetune.model.dropout import disable_dropout
 from finetune.model.weights import BaseSwitch
 from finetune.objectives.loss import LossPath, sequence_logps
-from finetune.objectives.reference import frozen_model, precomputed_reference
+from finetune.objectives.reference import chosen_reference
 
 if TYPE_CHECKING:
     from finetune.objectives import BuildContext
@@ -219,19 +219,10 @@ class PreferenceBuilder:
     def build(self, context: BuildContext) -> tuple[Preference, Callable[[], None]]:
         """A preference run with a precomputed reference computes it here (collective), or reads it: from the
         output dir when resuming, from beside the tokenized data when this base and data computed it before."""
-        switch = context.weights.base_switch()
-        reference = self.cfg.resolved_reference(base_switch=switch is not None)
+        reference = chosen_reference(self.cfg, context)
         objective = Preference(
-            self.cfg, context.loss_path, reference, base_switch=switch, sequence=sequence_parallel(context.accelerator)
-        )
-        if reference == "model":
-            objective.reference_model = self._reference_model(context)
-        if reference != "precomputed":
-            return objective, lambda: None
-        objective.reference_logps, write = precomputed_reference(context)
-        return objective, write
-
-    def _reference_model(self, context: BuildContext) -> torch.nn.Module:
-        return frozen_model(
-            context.recipe.model, self.cfg.reference_model, context.accelerator, "preference.reference=model"
-        )
+            self.cfg, context.loss_path, reference.kind, reference_logps=reference.logps,
+            reference_model=reference.model, base_switch=reference.base_switch,
+            sequence=sequence_parallel(context.accelerator),
+        )  # fmt: skip
+        return objective, reference.write

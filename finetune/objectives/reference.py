@@ -18,6 +18,7 @@ import functools
 import hashlib
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from finetune.config import ModelConfig
+from finetune.config import ModelConfig, PreferenceConfig
 from finetune.engine.accelerator import compute_dtype
 from finetune.engine.processes import equal_share
 from finetune.engine.sequence import data_parallel_rank, data_parallel_size, sequence_parallel
@@ -37,6 +38,7 @@ from finetune.errors import FinetuneError
 from finetune.model.dropout import disable_dropout
 from finetune.model.loading import DTYPES, base_fingerprint, load_model, model_folder
 from finetune.model.routing import route_in_fp32
+from finetune.model.weights import BaseSwitch
 from finetune.objectives.loss import LossPath, sequence_logps
 from finetune.storage.atomic import private_partial, publish_shared
 from finetune.storage.fingerprint import sampled_fingerprint
@@ -170,6 +172,42 @@ def precomputed_reference(
             write_reference(cached, table, key)
     # On the device, where the step looks samples up by their index without a copy back to the host.
     return table.to(accelerator.device), functools.partial(write_reference, output_file, table, key)
+
+
+@dataclass(frozen=True)
+class ChosenReference:
+    """What a preference objective (DPO's family, KTO) compares against, as the recipe and the weights resolve it."""
+
+    kind: str
+    """precomputed, adapters, model or none (`PreferenceConfig.resolved_reference`)."""
+    base_switch: BaseSwitch | None
+    """What switches the policy's adapters off, where the weights have adapters."""
+    model: torch.nn.Module | None = None
+    """model: the frozen reference, sharded as the policy (`frozen_model`)."""
+    logps: torch.Tensor | None = None
+    """precomputed: the table (`precomputed_reference`), on the device."""
+    write: Callable[[], None] = lambda: None
+    """What writes the precomputed table into the output dir (main process); nothing otherwise."""
+
+
+def chosen_reference(
+    cfg: PreferenceConfig,
+    context: BuildContext,
+    columns: Callable[[torch.nn.Module, dict[str, torch.Tensor], LossPath], torch.Tensor] = pair_columns,
+    noun: str = "pairs",
+) -> ChosenReference:
+    """The run's reference, loaded or computed (a collective where it is precomputed): `columns` and `noun` as for
+    `compute_reference`."""
+    switch = context.weights.base_switch()
+    kind = cfg.resolved_reference(base_switch=switch is not None)
+    if kind == "model":
+        setting = "preference.reference=model"
+        model = frozen_model(context.recipe.model, cfg.reference_model, context.accelerator, setting)
+        return ChosenReference(kind, switch, model=model)
+    if kind == "precomputed":
+        logps, write = precomputed_reference(context, columns, noun)
+        return ChosenReference(kind, switch, logps=logps, write=write)
+    return ChosenReference(kind, switch)
 
 
 def check_resumable(table: torch.Tensor | None, output_dir: Path) -> torch.Tensor:

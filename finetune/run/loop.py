@@ -30,6 +30,7 @@ from finetune.engine.sequence import data_parallel_size
 from finetune.errors import FinetuneError
 from finetune.objectives import Objective, Supervised
 from finetune.objectives.loss import LossPath
+from finetune.objectives.metrics import unit_means
 from finetune.plan.flops import ModelFlops, model_flops, peak_flops
 from finetune.run.build import Run
 from finetune.run.metrics import MetricsLogger
@@ -276,7 +277,8 @@ def train_step(
     on_host = torch.cat([counts, reduced.double(), grad_norm.reshape(1).to(device, torch.float64)]).tolist()
     num_units, num_tokens, num_slots, step_flops, summed_loss, stops, *summed_metrics, grad_norm = on_host
     loss = summed_loss / max(num_units, 1)
-    step_metrics = step_means(objective, dict(zip(objective.metric_names, summed_metrics, strict=True)), num_units)
+    sums = dict(zip(objective.metric_names, summed_metrics, strict=True))
+    step_metrics = unit_means(sums, num_units, getattr(objective, "metric_units", {}))  # your own may have none
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         raise FinetuneError(
             f"step {step}: loss is {loss} and gradient norm is {grad_norm}; training diverged before this update was "
@@ -288,18 +290,6 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     step_metrics["fill"] = num_tokens / max(num_slots, 1)
     return StepResult(loss, grad_norm, int(num_tokens), int(num_units), step_flops, stops > 0, step_metrics)
-
-
-def step_means(objective: Objective, sums: dict[str, float], units: float) -> dict[str, float]:
-    """Each metric's sum over the step divided by the step's units, or by the sum of the metric the objective's
-    `metric_units` names for it (KTO's rewards/chosen: over its desirable samples); left out where that is 0."""
-    over = getattr(objective, "metric_units", {})  # objectives of your own may have none
-    means = {}
-    for name, value in sums.items():
-        count = sums[over[name]] if name in over else max(units, 1)
-        if count:
-            means[name] = value / count
-    return means
 
 
 def _on_device(count: torch.Tensor | float, device: torch.device) -> torch.Tensor:
