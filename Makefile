@@ -29,7 +29,7 @@ TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b tr
 	train-qwen3-30b-a3b-lora \
 	train-gpt-oss-20b-lora train-mixtral-lora train-qwen-7b-tools train-8b-dpo train-qwen-7b-dpo \
 	train-qwen3-8b-grpo train-qwen3-8b-grpo-lora train-qwen3-8b-grpo-tools train-qwen3-1.7b-distill train-qwen3-1.7b-distill-on-policy
-.PHONY: help setup test-fast demo demo-lora demo-dpo demo-kto demo-grpo demo-distill train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu \
+.PHONY: help setup test-fast demo demo-lora demo-dpo demo-kto demo-grpo demo-rm demo-distill train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu \
 	gpu-wheels gpu-check test test-gpu lint format clean
 
 help: ## list the targets
@@ -106,6 +106,29 @@ demo-grpo: $(STAMP) ## online RL on the demo: GRPO of a partly trained reverser,
 		train.eval_every_steps=40"
 	$(MAKE) --no-print-directory train-tiny DEMO_RECIPE=recipes/demo/tiny_llama_grpo.yaml ARGS="$(DEMO_GRPO) $(ARGS)"
 	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run-grpo \
+		--before $(DEMO_DIR)/run-partial/final
+
+# A learned reward on the demo (docs/reward_models.md): the 40-step model of demo-grpo (made first if missing) samples
+# replies to the training lists; each wrong one, paired with the correct reversal, trains a reward model from the SFT
+# run's export (made first if missing; recipes/demo/tiny_llama_reward.yaml, held-out pair accuracy in its log); then
+# GRPO of the 40-step model rewarded by that reward model alone (recipes/demo/tiny_llama_grpo_rm.yaml); the report
+# before and after.
+DEMO_RM := data.train_path=$(DEMO_DIR)/data/rm_pairs_train.jsonl data.eval_path=$(DEMO_DIR)/data/rm_pairs_eval.jsonl \
+	model.name_or_path=$(DEMO_DIR)/run/final output.dir=$(DEMO_DIR)/run-rm
+DEMO_GRPO_RM := model.name_or_path=$(DEMO_DIR)/run-partial/final \
+	data.train_path=$(DEMO_DIR)/data/prompts_train.jsonl data.eval_path=$(DEMO_DIR)/data/prompts_eval.jsonl \
+	output.dir=$(DEMO_DIR)/run-grpo-rm
+demo-rm: $(STAMP) ## a reward model of the demo from the policy's own replies, then GRPO rewarded by it alone; report
+	$(OFFLINE) $(PY) -m finetune demo build --dir $(DEMO_DIR)
+	@test -f $(DEMO_DIR)/run/final/config.json || $(MAKE) --no-print-directory train-tiny ARGS="$(DEMO_RUN)"
+	@test -f $(DEMO_DIR)/run-partial/final/config.json || $(MAKE) --no-print-directory train-tiny \
+		ARGS="model.name_or_path=$(DEMO_DIR)/base $(DEMO_SFT) output.dir=$(DEMO_DIR)/run-partial train.max_steps=40 \
+		train.eval_every_steps=40"
+	$(OFFLINE) $(PY) -m finetune demo build-rm --dir $(DEMO_DIR) --policy $(DEMO_DIR)/run-partial/final
+	$(MAKE) --no-print-directory train-tiny DEMO_RECIPE=recipes/demo/tiny_llama_reward.yaml ARGS="$(DEMO_RM)"
+	$(MAKE) --no-print-directory train-tiny DEMO_RECIPE=recipes/demo/tiny_llama_grpo_rm.yaml \
+		ARGS="$(DEMO_GRPO_RM) 'rl.rewards=[{model: $(DEMO_DIR)/run-rm/final, label: rm}]' $(ARGS)"
+	$(OFFLINE) $(PY) -m finetune demo report --dir $(DEMO_DIR) --run $(DEMO_DIR)/run-grpo-rm \
 		--before $(DEMO_DIR)/run-partial/final
 
 # Distillation on the demo (docs/distillation.md): the SFT run's export (made first if missing) teaches a student of

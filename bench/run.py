@@ -24,6 +24,8 @@ Comparisons (2 CPU processes over gloo unless stated), one module each in bench/
   grpo             online RL prompts/s through whole steps (generation included) and peak RSS vs TRL GRPOTrainer
   distill          distillation target tokens/s (off-policy), samples/s (on-policy) and peak RSS vs TRL GKDTrainer
   agent            online RL over episodes that call a tool: episodes/s and peak RSS vs TRL GRPOTrainer with tools
+  reward_model     reward-model pairs/s and peak RSS vs TRL RewardTrainer (DDP), finetune packed under DDP and FSDP2
+  kto              KTO samples/s and peak RSS vs TRL KTOTrainer, its defaults and its best (precomputed reference)
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ from common import REPO, Bench, _git
 
 SECTIONS = ("data_pipeline", "packing", "loss_path", "loop_overhead", "trainer", "checkpoint_save", "scaling",
             "export", "lora_vs_full", "trl_lora", "dpo", "moe", "merge", "long_context", "grpo",
-            "distill", "agent")  # fmt: skip
+            "distill", "agent", "reward_model", "kto")  # fmt: skip
 """Every comparison, in the order `make bench` runs them: each a module of bench/comparisons/."""
 TABLE = ("loop_overhead", "trainer", "export", "checkpoint_save", "data_pipeline", "packing", "loss_path",
-         "lora_vs_full", "trl_lora", "dpo", "moe", "merge", "long_context", "grpo", "distill", "agent")  # fmt: skip
+         "lora_vs_full", "trl_lora", "dpo", "moe", "merge", "long_context", "grpo", "distill", "agent",
+         "reward_model", "kto")  # fmt: skip
 """The comparison table's rows, in the table's order (scaling has a table of its own)."""
 COMPARISONS = {name: importlib.import_module(f"comparisons.{name}") for name in SECTIONS}
 

@@ -67,7 +67,11 @@ def main(argv: list[str] | None = None) -> int:
             from finetune.run import demo
 
             _check_demo_options(args)
-            if args.action in ("build-agent", "report-agent"):
+            if args.action == "build-rm":
+                from finetune.run import demo_reward
+
+                demo_reward.build(args.dir, args.policy or f"{args.dir}/run-partial/final")
+            elif args.action in ("build-agent", "report-agent"):
                 from finetune.run import demo_agent
 
                 if args.action == "build-agent":
@@ -108,7 +112,7 @@ def _check_demo_options(args: argparse.Namespace) -> None:
     """`finetune demo`'s options that only some actions read: refused with another (they would be ignored), and
     report-distill's runs required."""
     for option, actions in (("noise", ("build",)), ("sft", ("report-distill",)), ("distilled", ("report-distill",)),
-                            ("case", ("report-distill",))):  # fmt: skip
+                            ("case", ("report-distill",)), ("policy", ("build-rm",))):  # fmt: skip
         if getattr(args, option) is not None and args.action not in actions:
             raise FinetuneError(f"--{option} is read by `finetune demo {' or '.join(actions)}` only, not "
                                 f"{args.action}; remove it")  # fmt: skip
@@ -206,7 +210,9 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--wrap", help="fsdp_transformer_layer_cls_to_wrap, overriding the config's")
         sub.add_argument("--gpu-memory", default="80GB", help="memory of one device, e.g. 80GB, 24GiB")
     demo_parser = commands.add_parser("demo", help="the offline demo: build its base model and data, or report")
-    demo_parser.add_argument("action", choices=["build", "report", "report-distill", "build-agent", "report-agent"])
+    demo_parser.add_argument(
+        "action", choices=["build", "report", "report-distill", "build-agent", "report-agent", "build-rm"]
+    )
     demo_parser.add_argument("--dir", default="outputs/demo", help="demo working folder (base model and data)")
     demo_parser.add_argument("--run", default="outputs/demo/run", help="output.dir of the demo training run")
     demo_parser.add_argument(
@@ -216,6 +222,9 @@ def _parser() -> argparse.ArgumentParser:
     demo_parser.add_argument("--sft", help="report-distill: output.dir of the continued SFT run")
     demo_parser.add_argument("--distilled", nargs="+", help="report-distill: output.dir of each distillation run")
     demo_parser.add_argument("--case", help="report-distill: the case's name, printed (default: clean data)")
+    demo_parser.add_argument(
+        "--policy", help="build-rm: the model whose sampled replies the pairs hold (default: DIR/run-partial/final)"
+    )
     demo_parser.add_argument(
         "--noise", type=float, help="build: also write data/train_noisy.jsonl, this share of its replies wrong (0-1)"
     )

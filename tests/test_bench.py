@@ -76,6 +76,8 @@ def test_make_bench_runs_every_comparison(tmp_path):
     assert all(positive(v) for ratio in dpo["ratios"].values() for v in ratio.values())
     assert all(positive(v) for part in ("experts", "trl") for v in results["moe"][part]["median"].values())
     assert all(positive(v["peak_rss_bytes"]) for v in results["merge"]["median"].values())
+    long = results["long_context"]  # sequence parallelism alone in a quick run: sp=2 holds less than one process
+    assert set(long["median"]) == {"one", "sp2"} and 0 < long["activation_ratio"] < 1
     grpo = results["grpo"]["shapes"]["instructed"]  # online RL against TRL's GRPOTrainer, generation included
     assert set(grpo["median"]) == {"finetune_ddp", "finetune_fsdp2", "trl"} and grpo["prompt_tokens"] > 100
     assert all(positive(v) for run in grpo["ratios"].values() for v in run.values())
@@ -90,6 +92,16 @@ def test_make_bench_runs_every_comparison(tmp_path):
     assert set(agent["median"]) == {"finetune_fsdp2", "trl"}  # quick: FSDP2 alone of finetune's engines
     assert all(positive(v) for ratio in agent["ratios"].values() for v in ratio.values())
     assert all(positive(agent["median"][name]["written_tokens"]) for name in agent["median"])
+    # Reward models against TRL's RewardTrainer, KTO against its KTOTrainer at its best: DDP both in a quick run.
+    assert set(results["reward_model"]["median"]) == {"finetune_ddp", "trl"}
+    assert set(results["kto"]["median"]) == {"finetune_ddp", "trl_precomputed"}
+    assert positive(results["kto"]["median"]["finetune_ddp"]["precompute_seconds"])  # its default: precomputed
+    for name, unit in (("reward_model", "pairs"), ("kto", "samples")):
+        assert list(results[name]["ratios"]) == ["finetune_ddp" + ("@best" if name == "kto" else "")]
+        assert all(positive(v) for ratio in results[name]["ratios"].values() for v in ratio.values())
+        assert all(
+            positive(run[f"{unit}_per_second"]) and 0 < run["fill"] <= 1 for run in results[name]["median"].values()
+        )
 
 
 def test_make_bench_reruns_one_comparison_alone(tmp_path):

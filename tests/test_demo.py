@@ -67,6 +67,8 @@ def test_the_noisy_data_is_wrong_for_the_lists_below_the_fraction_alone(demo_ass
         (["build", "--noise", "1.5"], "--noise is the share of training replies made wrong, between 0 and 1; got 1.5"),
         (["report", "--noise", "0.3"], "--noise is read by `finetune demo build` only, not report; remove it"),
         (["build", "--sft", "x"], "--sft is read by `finetune demo report-distill` only, not build; remove it"),
+        (["report", "--policy", "x"], "--policy is read by `finetune demo build-rm` only, not report; remove it"),
+        (["build-rm", "--policy", "x"], "x holds no model; train the policy first"),
         (
             ["report-distill", "--sft", "x"],
             "finetune demo report-distill compares runs from one warm student: give --before, --distilled",
@@ -81,3 +83,39 @@ def test_demo_options_that_cannot_be_honoured_are_refused_in_one_line(tmp_path, 
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith(f"finetune: error: {message}"), line
     assert not any(tmp_path.iterdir())  # refused before anything is written
+
+
+def test_reward_model_pairs_hold_the_policys_own_wrong_replies(demo_assets, partly_trained, tmp_path, capsys):
+    """`finetune demo build-rm`: each list's distinct wrong sampled replies (never an empty one) and one near miss,
+    each paired with the correct reversal; the same pairs from the same policy and seed, written once."""
+    from finetune.run import demo_reward
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "eval"):
+        prompts = (demo_assets / "data" / f"prompts_{split}.jsonl").read_text().splitlines()[:12]
+        (data / f"prompts_{split}.jsonl").write_text("\n".join(prompts) + "\n")
+    demo_reward.build(str(tmp_path), str(partly_trained), samples=4)
+    first = (data / "rm_pairs_train.jsonl").read_text()
+    pairs = [json.loads(line) for line in first.splitlines()]
+    answers = {json.loads(line)["prompt"][0]["content"]: json.loads(line)["answer"]
+               for line in (data / "prompts_train.jsonl").read_text().splitlines()}  # fmt: skip
+    by_prompt: dict[str, list[str]] = {}
+    for pair in pairs:
+        prompt = pair["prompt"][0]["content"]
+        assert pair["chosen"] == [{"role": "assistant", "content": answers[prompt]}]
+        by_prompt.setdefault(prompt, []).append(pair["rejected"][0]["content"])
+    assert set(by_prompt) == set(answers)
+    for prompt, rejected in by_prompt.items():
+        assert all(reply not in ("", answers[prompt]) for reply in rejected)
+        assert 1 <= len(rejected) <= 5 and len(set(rejected)) >= len(rejected) - 1  # the near miss may be sampled too
+    assert len(pairs) > len(answers)  # the partly trained model is wrong on some of them: sampled replies are there
+    said = capsys.readouterr().out
+    assert re.search(r"rm_pairs_train.jsonl: \d+ pairs \(\d+ of 48 sampled replies wrong", said)
+    demo_reward.build(str(tmp_path), str(partly_trained), samples=4)
+    assert (data / "rm_pairs_train.jsonl").read_text() == first and "reusing" in capsys.readouterr().out
+    (data / "rm_pairs_train.jsonl").unlink()
+    demo_reward.build(str(tmp_path), str(partly_trained), samples=4)
+    assert (data / "rm_pairs_train.jsonl").read_text() == first  # seeded: the same replies again
+    assert sorted(p.name for p in data.iterdir()) == sorted(f"{kind}_{split}.jsonl" for kind in ("prompts", "rm_pairs")
+                                                            for split in ("train", "eval"))  # fmt: skip
