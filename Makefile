@@ -114,7 +114,8 @@ demo-grpo: $(STAMP) ## online RL on the demo: GRPO of a partly trained reverser,
 # GRPO of the 40-step model rewarded by that reward model alone (recipes/demo/tiny_llama_grpo_rm.yaml); the report
 # before and after.
 DEMO_RM := data.train_path=$(DEMO_DIR)/data/rm_pairs_train.jsonl data.eval_path=$(DEMO_DIR)/data/rm_pairs_eval.jsonl \
-	model.name_or_path=$(DEMO_DIR)/run/final output.dir=$(DEMO_DIR)/run-rm
+	model.name_or_path=$(DEMO_DIR)/run/final output.dir=$(DEMO_DIR)/run-rm train.max_steps=2400 \
+	train.eval_every_steps=400 optim.schedule=constant
 DEMO_GRPO_RM := model.name_or_path=$(DEMO_DIR)/run-partial/final \
 	data.train_path=$(DEMO_DIR)/data/prompts_train.jsonl data.eval_path=$(DEMO_DIR)/data/prompts_eval.jsonl \
 	output.dir=$(DEMO_DIR)/run-grpo-rm

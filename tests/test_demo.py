@@ -86,8 +86,9 @@ def test_demo_options_that_cannot_be_honoured_are_refused_in_one_line(tmp_path, 
 
 
 def test_reward_model_pairs_hold_the_policys_own_wrong_replies(demo_assets, partly_trained, tmp_path, capsys):
-    """`finetune demo build-rm`: each list's distinct wrong sampled replies (never an empty one) and one near miss,
-    each paired with the correct reversal; the same pairs from the same policy and seed, written once."""
+    """`finetune demo build-rm`: each list's distinct wrong sampled replies (never an empty one) and its hard
+    negatives (a near miss, an end digit changed, the list unreversed), each paired with the correct reversal; the
+    same pairs from the same policy and seed, written once."""
     from finetune.run import demo_reward
 
     data = tmp_path / "data"
@@ -108,7 +109,11 @@ def test_reward_model_pairs_hold_the_policys_own_wrong_replies(demo_assets, part
     assert set(by_prompt) == set(answers)
     for prompt, rejected in by_prompt.items():
         assert all(reply not in ("", answers[prompt]) for reply in rejected)
-        assert 1 <= len(rejected) <= 5 and len(set(rejected)) >= len(rejected) - 1  # the near miss may be sampled too
+        assert prompt.removeprefix("reverse: ") in rejected or prompt.split()[1:] == prompt.split()[:0:-1]
+        digits = answers[prompt].split()
+        ends = [r.split() for r in rejected if len(r.split()) == len(digits)]
+        assert any(r[1:-1] == digits[1:-1] and (r[0] != digits[0]) != (r[-1] != digits[-1]) for r in ends)
+        assert 2 <= len(rejected) <= 4 + 3
     assert len(pairs) > len(answers)  # the partly trained model is wrong on some of them: sampled replies are there
     said = capsys.readouterr().out
     assert re.search(r"rm_pairs_train.jsonl: \d+ pairs \(\d+ of 48 sampled replies wrong", said)

@@ -138,7 +138,7 @@ def test_grpo_rewarded_by_a_sharded_reward_model_runs_and_logs_it(rm_folder, dem
         "rl.num_generations": 2, "rl.max_new_tokens": 6, "rl.rewards": rewards, "output.export": "false",
     }  # fmt: skip
     result = launch("fsdp2_full_shard.yaml", [f"{k}={v}" for k, v in overrides.items()],
-                    recipe=REPO / "recipes" / "demo" / "tiny_llama_grpo.yaml")  # fmt: skip
+                    recipe=REPO / "recipes" / "demo" / "tiny_llama_grpo_rm.yaml")  # make demo-rm's  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     run = LaunchedRun(result, tmp_path / "out")
     assert f"reward model: {rm_folder}, frozen, sharded as the policy over a 2 mesh (rl.rewards: learned)" in run.log

@@ -76,7 +76,9 @@ def make_variables(target: str) -> dict[str, str]:
 
 def test_every_model_size_has_a_recipe():
     shipped = {str(p.relative_to(REPO)) for p in (REPO / "recipes").rglob("*.yaml")}
-    demos = {f"recipes/demo/tiny_llama{kind}.yaml" for kind in ("", "_grpo", "_distill", "_reward", "_kto")}
+    demos = {
+        f"recipes/demo/tiny_llama{kind}.yaml" for kind in ("", "_grpo", "_grpo_rm", "_distill", "_reward", "_kto")
+    }
     demos |= {f"recipes/demo/agent_{stage}.yaml" for stage in ("sft", "grpo")}
     assert set(MODELS) | demos == shipped
 

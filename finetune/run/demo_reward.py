@@ -5,7 +5,10 @@ seen; GRPO then finds the replies it has not seen that it scores high, and is re
 policy's exact match fell). What a reward model must rank are the policy's own replies, so `build` samples them:
 the policy GRPO starts from writes `samples` replies to each training and evaluation list, as GRPO samples them
 (its temperature), and each wrong reply becomes a pair with the correct reversal (`rm_pairs_train.jsonl`,
-`rm_pairs_eval.jsonl`), beside the near-miss pairs (labelled by the answer: RLHF's human labels, here exact).
+`rm_pairs_eval.jsonl`; labelled by the answer: RLHF's human labels, here exact). Beside them, three hard negatives a
+list that sampling seldom writes and a scorer must still rank below the answer: a near miss, the answer with its
+first or last digit changed (the digits farthest from where the prompt holds them; measured, a reward model trained
+without them ranked such replies at chance), and the list not reversed.
 """
 
 from __future__ import annotations
@@ -37,13 +40,14 @@ def build(workdir: str, policy: str, samples: int = 8, temperature: float = 0.5,
         torch.manual_seed(0 if split == "train" else 1)
         replies = _sample(model, tokenizer, prompts, samples, temperature, max_new_tokens)
         rng = random.Random(7 if split == "train" else 8)
-        pairs, wrong = [], 0
+        pairs, wrong, distinct = [], 0, 0
         for prompt, written in zip(prompts, replies, strict=True):
             answer = prompt["answer"]
             # An empty reply is no training text (finetune refuses it); the others, once each.
             rejected = sorted({reply for reply in written if reply not in (answer, "")})
             wrong += sum(reply != answer for reply in written)
-            for reply in [*rejected, near_miss(answer, rng)]:
+            distinct += len(rejected)
+            for reply in [*rejected, *hard_negatives(prompt["prompt"][0]["content"], answer, rng)]:
                 pairs.append({"prompt": prompt["prompt"], "chosen": [{"role": "assistant", "content": answer}],
                               "rejected": [{"role": "assistant", "content": reply}]})  # fmt: skip
         rng.shuffle(pairs)
@@ -51,7 +55,16 @@ def build(workdir: str, policy: str, samples: int = 8, temperature: float = 0.5,
         partial.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
         partial.replace(target)
         print(f"demo: wrote {target}: {len(pairs):,} pairs ({wrong:,} of {len(prompts) * samples:,} sampled replies "
-              f"wrong, {len(pairs) - len(prompts):,} distinct; one near miss a list)")  # fmt: skip
+              f"wrong, {distinct:,} distinct; with the hard negatives of each list)")  # fmt: skip
+
+
+def hard_negatives(request: str, answer: str, rng: random.Random) -> list[str]:
+    """A near miss, the answer with its first or last digit changed, and the list as given (where it differs)."""
+    digits = answer.split()
+    end = rng.choice((0, len(digits) - 1))
+    changed = [*digits[:end], str((int(digits[end]) + rng.randrange(1, 10)) % 10), *digits[end + 1 :]]
+    unreversed = request.removeprefix("reverse: ")
+    return [near_miss(answer, rng), " ".join(changed), *([unreversed] if unreversed != answer else [])]
 
 
 @torch.no_grad()
