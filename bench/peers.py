@@ -1,5 +1,5 @@
-"""What the peer scripts (trainer_ddp.py, trl_sft.py, trl_dpo.py) share: the TRL trainers' settings, writing their
-step timings, leaving DDP cleanly."""
+"""What the peer scripts (trainer_ddp.py and the trl_*.py) share: the TRL trainers' settings, writing their step
+timings and precompute seconds, leaving DDP cleanly."""
 
 from __future__ import annotations
 
@@ -37,6 +37,24 @@ class StepClock(TrainerCallback):
         for name, value in zip(self.counters, self.counts.tolist(), strict=True):
             self.counted[name].append(value)
         self.counts = torch.zeros(len(self.counters), dtype=torch.int64)
+
+
+class PrecomputeClock:
+    """The seconds `trainer_class` (a TRL trainer) spends in its reference precompute passes, which run while the
+    trainer is built."""
+
+    def __init__(self, trainer_class: type):
+        self.seconds = 0.0
+        timed = trainer_class._precompute_ref_logps
+
+        def precompute(trainer, *args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return timed(trainer, *args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - began
+
+        trainer_class._precompute_ref_logps = precompute
 
 
 def target_tokens(batch: dict) -> int:

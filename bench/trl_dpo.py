@@ -17,31 +17,13 @@ all processes, and the seconds its precompute pass took (0 without it).
 from __future__ import annotations
 
 import sys
-import time
 
 import datasets
 import torch
 import torch.distributed as dist
-from peers import StepClock, close_ddp, lora_settings, train_counted, trainer_settings, write_steps
+from peers import PrecomputeClock, StepClock, close_ddp, lora_settings, train_counted, trainer_settings, write_steps
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
-
-
-class PrecomputeClock:
-    """The seconds DPOTrainer spends in its reference precompute pass (it runs while the trainer is built)."""
-
-    def __init__(self):
-        self.seconds = 0.0
-        timed = DPOTrainer._precompute_ref_logps
-
-        def precompute(trainer, *args, **kwargs):
-            began = time.perf_counter()
-            try:
-                return timed(trainer, *args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - began
-
-        DPOTrainer._precompute_ref_logps = precompute
 
 
 def main(
@@ -55,7 +37,7 @@ def main(
         **trainer_settings(out, micro_batch, steps, max_length), learning_rate=1e-5, beta=0.1,
         precompute_ref_log_probs=precompute,
     )  # fmt: skip
-    precomputing = PrecomputeClock()
+    precomputing = PrecomputeClock(DPOTrainer)
     # The token slots (padding included) and the real tokens each step computed on.
     clock = StepClock({"slots": lambda b: b["input_ids"].numel(), "tokens": lambda b: int(b["attention_mask"].sum())})
     trainer = DPOTrainer(

@@ -14,31 +14,13 @@ token slots (padding included) and real tokens of the samples (not their partner
 from __future__ import annotations
 
 import sys
-import time
 
 import datasets
 import torch
 import torch.distributed as dist
-from peers import StepClock, close_ddp, train_counted, trainer_settings, write_steps
+from peers import PrecomputeClock, StepClock, close_ddp, train_counted, trainer_settings, write_steps
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import KTOConfig, KTOTrainer
-
-
-class PrecomputeClock:
-    """The seconds KTOTrainer spends in its reference precompute passes (they run while the trainer is built)."""
-
-    def __init__(self):
-        self.seconds = 0.0
-        timed = KTOTrainer._precompute_ref_logps
-
-        def precompute(trainer, *args, **kwargs):
-            began = time.perf_counter()
-            try:
-                return timed(trainer, *args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - began
-
-        KTOTrainer._precompute_ref_logps = precompute
 
 
 def main(
@@ -51,7 +33,7 @@ def main(
         **trainer_settings(out, micro_batch, steps, max_length), learning_rate=1e-5, beta=0.1,
         precompute_ref_log_probs=precompute,
     )  # fmt: skip
-    precomputing = PrecomputeClock()
+    precomputing = PrecomputeClock(KTOTrainer)
     clock = StepClock({"slots": lambda b: b["input_ids"].numel(), "tokens": lambda b: int(b["attention_mask"].sum())})
     trainer = KTOTrainer(model=model, args=arguments, train_dataset=samples, processing_class=tokenizer,
                          callbacks=[clock])  # fmt: skip

@@ -18,7 +18,7 @@ import random
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune.errors import FinetuneError
 from finetune.run.demo import near_miss
@@ -68,7 +68,16 @@ def hard_negatives(request: str, answer: str, rng: random.Random) -> list[str]:
 
 
 @torch.no_grad()
-def _sample(model, tokenizer, prompts: list[dict], samples: int, temperature: float, max_new_tokens: int):
+def _sample(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[dict],
+    samples: int,
+    temperature: float,
+    max_new_tokens: int,
+) -> list[list[str]]:
+    """Each prompt's `samples` replies as GRPO samples them (its temperature, no top-k or top-p), decoded as text;
+    256 prompts a batch, left-padded."""
     replies = []
     for start in range(0, len(prompts), 256):
         chunk = prompts[start : start + 256]
