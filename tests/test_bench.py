@@ -21,7 +21,7 @@ def run_script(script: str, tmp_path, *options: str) -> dict:
     result = subprocess.run(
         [sys.executable, str(REPO / "bench" / script), "--quick", "--work", str(tmp_path / "work"), "--out", str(out),
          *options],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
+        cwd=REPO, capture_output=True, text=True, timeout=1500,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (json_file,) = out.glob("*.json")
