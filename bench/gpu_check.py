@@ -244,8 +244,11 @@ def demo(check: Check, step: Step, cap: float) -> None:
     if not _ended(step, returncode, cap, "demo build"):
         return
     run = root / "run"
-    # CPU form: a few steps show the command works; the 300 steps are the GPU's to time.
-    short = {} if check.gpu else {"train.max_steps": 10, "train.eval_every_steps": 5, "optim.warmup_steps": 2}
+    # CPU form: a few steps and one evaluation of 16 lists show the command works; the 300 steps are the GPU's to time.
+    cpu_form = {
+        "train.max_steps": 10, "train.eval_every_steps": 10, "eval.generate.samples": 16, "optim.warmup_steps": 2
+    }  # fmt: skip
+    short = {} if check.gpu else cpu_form
     train = _demo_train("tiny_llama.yaml", root, run, short)
     start = time.monotonic()
     returncode, output = check.run(train, "demo.log", deadline - time.monotonic())

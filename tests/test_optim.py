@@ -38,7 +38,7 @@ def test_constant_after_warmup():
 
 
 def test_fused_adamw_makes_the_updates_of_the_default_one():
-    """The loop asks for fused AdamW on CUDA; torch's CPU kernel of the same path is checked here."""
+    """The loop asks for fused AdamW on CUDA and CPU; its CPU kernel against the default loop is checked here."""
     import torch
 
     from finetune.config import OptimConfig

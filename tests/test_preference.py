@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import datasets
 import pytest
@@ -444,18 +445,32 @@ def test_trl_dpo_trainer_computes_our_log_probs_and_losses_and_shows_where_it_to
 # ---- Real runs: 2 CPU processes through accelerate launch, sharing a few launches between assertions.
 
 DPO = {
-    "data.train_path": "{assets}/data/pairs_train.jsonl", "data.eval_path": "{assets}/data/pairs_eval.jsonl",
+    "data.train_path": "{pairs}/pairs_train.jsonl", "data.eval_path": "{pairs}/pairs_eval.jsonl",
     "data.format": "auto", "preference.loss": "dpo", "preference.beta": 0.1, "optim.lr": "1e-3",
     "optim.warmup_steps": 0, "train.max_steps": 8, "train.micro_batch_size": 4, "train.eval_every_steps": 4,
     "checkpoint.save_every_steps": 4, "checkpoint.keep_last": 2,
 }  # fmt: skip
 
 
+def demo_pairs(assets: Path) -> Path:
+    """The demo's first 64 training and 16 held-out pairs, in a folder of their own beside its data: the runs train
+    8 steps of 8 pairs, one epoch of these, and a precomputed reference scores every pair before step 1."""
+    folder = assets / "pairs-64"
+    if not folder.exists():
+        partial = folder.with_suffix(".partial")
+        partial.mkdir()
+        for name, count in (("pairs_train.jsonl", 64), ("pairs_eval.jsonl", 16)):
+            lines = (assets / "data" / name).read_text().splitlines(keepends=True)[:count]
+            (partial / name).write_text("".join(lines))
+        partial.rename(folder)
+    return folder
+
+
 def preference_run(
     tmp_path, assets, config="fsdp2_full_shard.yaml", processes=2, launch_args: tuple[str, ...] = (), **extra
 ) -> LaunchedRun:
     output_dir = tmp_path / "out"
-    values = {key: str(value).format(assets=assets) for key, value in {**DPO, **extra}.items()}
+    values = {key: str(value).format(pairs=demo_pairs(assets)) for key, value in {**DPO, **extra}.items()}
     overrides = recipe_overrides(assets, output_dir, **values)
     result = launch(config, overrides, num_processes=processes, launch_args=launch_args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
@@ -479,7 +494,7 @@ def test_dpo_starts_at_ln2_logs_its_metrics_and_exports_the_trained_model(dpo_ru
         assert name in losses[8]
     evaluated = [m for m in metrics if "eval_loss" in m]
     assert [m["step"] for m in evaluated] == [4, 8] and "eval_rewards/accuracies" in evaluated[-1]
-    assert "reference: log-probabilities of 6,200 pairs precomputed with the initial weights" in dpo_run.log
+    assert "reference: log-probabilities of 80 pairs precomputed with the initial weights" in dpo_run.log
     assert (dpo_run.output_dir / "reference_logps.safetensors").is_file()
     assert losses[8]["rewards/margins"] != 0.0 and 0.0 <= losses[8]["rewards/accuracies"] <= 1.0
     script = (
@@ -522,7 +537,7 @@ def test_pairs_split_over_a_sequence_group_train_what_whole_pairs_train(dpo_run,
     data = tmp_path / "pairs"  # a copy, so that no cached reference is found: the group computes its own
     data.mkdir()
     for name in ("pairs_train.jsonl", "pairs_eval.jsonl"):
-        shutil.copy(demo_assets / "data" / name, data / name)
+        shutil.copy(demo_pairs(demo_assets) / name, data / name)
     split = preference_run(
         tmp_path, demo_assets, config="sequence_parallel.yaml",
         launch_args=("--parallelism_config_sp_size", "2"),
@@ -532,7 +547,7 @@ def test_pairs_split_over_a_sequence_group_train_what_whole_pairs_train(dpo_run,
         },
     )  # fmt: skip
     assert "rows split over sequence groups of 2" in split.log
-    assert "reference: log-probabilities of 6,200 pairs precomputed" in split.log
+    assert "reference: log-probabilities of 80 pairs precomputed" in split.log
     ours, theirs = split.metrics(), dpo_run.metrics()
     for key in ("loss", "eval_loss"):
         mine, fixture = [m for m in ours if key in m], [m for m in theirs if key in m]

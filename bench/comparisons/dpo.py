@@ -4,24 +4,11 @@ from __future__ import annotations
 
 import json
 import random
-import re
-import statistics
-import sys
 
-from common import (
-    ENV,
-    LORA,
-    MIB,
-    REPO,
-    SIZES,
-    Bench,
-    _free_port,
-    _medians,
-    _row,
-    _steady_rate,
-    _timed_peak_rss,
-    _version,
-)
+from common import LORA, MIB, SIZES, Bench, _medians, _row, _version
+
+from comparisons import post_training
+from comparisons.post_training import finetune_measured, trl_measured
 
 
 def varied_pairs(count: int) -> list[dict]:
@@ -43,14 +30,13 @@ def varied_pairs(count: int) -> list[dict]:
     return pairs
 
 
-def _dpo_measured(rate: float, peak: int, fill: float, precompute_seconds: float, pairs: int) -> dict:
-    """One DPO run's figures; the epoch rate counts its reference precompute pass (if any) in one epoch of `pairs`."""
-    epoch = pairs / rate
-    return {
-        "pairs_per_second": rate, "peak_rss_bytes": peak, "fill": fill, "precompute_seconds": precompute_seconds,
-        "epoch_pairs_per_second": pairs / (epoch + precompute_seconds),
-        "precompute_fraction_of_epoch": precompute_seconds / epoch,
-    }  # fmt: skip
+def with_epoch(measured: dict, pairs: int) -> dict:
+    """A run's figures and its epoch rate: its reference precompute pass (if any) counted in one epoch of `pairs`."""
+    epoch = pairs / measured["pairs_per_second"]
+    return measured | {
+        "epoch_pairs_per_second": pairs / (epoch + measured["precompute_seconds"]),
+        "precompute_fraction_of_epoch": measured["precompute_seconds"] / epoch,
+    }
 
 
 QUICK = ("finetune_full_ddp", "finetune_lora_ddp_precomputed", "trl_full", "trl_lora_precomputed")
@@ -88,31 +74,14 @@ def measure(bench: Bench) -> dict:
     runs: dict[str, list[dict]] = {name: [] for name in [*contenders, *peers]}
     for repeat in range(bench.repeats):
         for name, (config, settings) in contenders.items():
-            command, out = bench.finetune_command(f"dpo-{name}-{repeat}", size, config, **dpo, **settings)
-            log = bench.work / "runs" / f"dpo-{name}-{repeat}.log"
-            log.parent.mkdir(parents=True, exist_ok=True)
-            # A cache of its own: every run tokenizes and precomputes its reference (none reads another's).
-            cache = {"HF_DATASETS_CACHE": str(bench.work / "runs" / f"dpo-{name}-{repeat}-cache")}
-            _, peak = _timed_peak_rss(command, stdout=log, env=ENV | cache)
-            entries = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-            steps_of = [e for e in entries if "loss" in e]
-            rate = _steady_rate([e["pairs"] for e in steps_of], [e["step_seconds"] for e in steps_of])
-            said = re.search(r"precomputed with the initial weights in ([0-9.]+) s", log.read_text())
-            runs[name].append(_dpo_measured(rate, peak, statistics.median(e["fill"] for e in steps_of),
-                                            float(said[1]) if said else 0.0, count))  # fmt: skip
-            if name == "finetune_full_ddp":
-                bench.curves.setdefault("finetune DPO (DDP)", [e["loss"] for e in steps_of])
+            curve = "finetune DPO (DDP)" if name == "finetune_full_ddp" else None
+            measured = finetune_measured(bench, f"dpo-{name}-{repeat}", size, config, "pairs", curve, **dpo | settings)
+            runs[name].append(with_epoch(measured, count))
         for name, (rank, precompute) in peers.items():
             result = bench.work / "runs" / f"{name}-{repeat}.json"
-            _, peak = _timed_peak_rss([
-                sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                str(_free_port()), str(REPO / "bench" / "trl_dpo.py"), str(model), str(pairs), str(steps), "8",
-                "256", str(rank), str(result), "1" if precompute else "0",
-            ])  # fmt: skip
-            trl = json.loads(result.read_text())
-            rate = _steady_rate(trl["pairs"], trl["step_seconds"])
-            fill = sum(trl["tokens"]) / sum(trl["slots"])
-            runs[name].append(_dpo_measured(rate, peak, fill, trl["precompute_seconds"], count))
+            measured = trl_measured("trl_dpo.py", "pairs", result, str(model), str(pairs), str(steps), "8", "256",
+                                    str(rank), str(result), "1" if precompute else "0")  # fmt: skip
+            runs[name].append(with_epoch(measured, count))
     median = _medians(runs)
     compared = {
         "finetune_full_ddp": "trl_full", "finetune_full_fsdp2": "trl_full", "finetune_lora_ddp": "trl_lora",
@@ -122,11 +91,10 @@ def measure(bench: Bench) -> dict:
     compared = {
         name: peer for name, peer in compared.items() if name.removesuffix("@best") in median and peer in median
     }
-    ratios = {}
-    for name, peer in compared.items():
-        ours, theirs = median[name.removesuffix("@best")], median[peer]
-        ratios[name] = {key: ours[key] / theirs[key] for key in ("pairs_per_second", "epoch_pairs_per_second")}
-        ratios[name]["peak_rss"] = ours["peak_rss_bytes"] / theirs["peak_rss_bytes"]
+    ratios = post_training.ratios(median, compared, "pairs")
+    for name, peer in compared.items():  # and over one epoch, precompute passes counted
+        ours, theirs = median[name.split("@")[0]], median[peer]
+        ratios[name]["epoch_pairs_per_second"] = ours["epoch_pairs_per_second"] / theirs["epoch_pairs_per_second"]
     return {
         "size": size.name,
         "pairs": count,

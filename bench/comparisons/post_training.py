@@ -1,4 +1,4 @@
-"""What the reward-model and KTO comparisons share (not a comparison itself): one finetune run and one TRL peer
+"""What the DPO, reward-model and KTO comparisons share (not a comparison itself): one finetune run and one TRL peer
 script measured alike, in units (pairs, samples) a second of the steady steps, the peak resident memory of the
 largest process, the rows' fill, and the seconds of a reference precompute pass."""
 
@@ -13,14 +13,19 @@ from pathlib import Path
 from common import ENV, REPO, Bench, Size, _free_port, _steady_rate, _timed_peak_rss
 
 
-def finetune_measured(bench: Bench, name: str, size: Size, config: str, unit: str, **settings) -> dict:
-    """One finetune launch of 2 processes with `settings`, measured; `unit` is the metrics' count of a step."""
+def finetune_measured(
+    bench: Bench, name: str, size: Size, config: str, unit: str, curve: str | None = None, **settings
+) -> dict:
+    """One finetune launch of 2 processes with `settings`, measured; `unit` is the metrics' count of a step. Its loss
+    curve is plotted under the label `curve`, if given (the first run of that label)."""
     command, out = bench.finetune_command(name, size, config, **settings)
     log = bench.work / "runs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     # A cache of its own: every run tokenizes (and precomputes its reference), none reads another's.
     _, peak = _timed_peak_rss(command, stdout=log, env=ENV | {"HF_DATASETS_CACHE": str(log.with_suffix(".cache"))})
     steps = [e for e in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in e]
+    if curve:
+        bench.curves.setdefault(curve, [e["loss"] for e in steps])
     said = re.search(r"precomputed with the initial weights in ([0-9.]+) s", log.read_text())
     return {
         f"{unit}_per_second": _steady_rate([e[unit] for e in steps], [e["step_seconds"] for e in steps]),

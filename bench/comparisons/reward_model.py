@@ -9,8 +9,11 @@ from common import MIB, SIZES, Bench, _medians, _row, _version
 from comparisons.dpo import varied_pairs
 from comparisons.post_training import finetune_measured, ratios, trl_measured
 
-PEERS = {"finetune_ddp": "trl", "finetune_fsdp2": "trl"}
-"""Each finetune engine against TRL's RewardTrainer (DDP, its only CPU engine)."""
+PEERS = {"finetune_ddp": "trl_no_recompute", "finetune_ddp_recompute": "trl", "finetune_fsdp2": "trl_no_recompute"}
+"""Like against like: finetune keeping every activation against TRL with gradient checkpointing off, and finetune with
+activation checkpointing (full) against TRL's default (gradient checkpointing on); DDP both, or FSDP2 against TRL's
+DDP (its only CPU engine)."""
+RECOMPUTE = {"train.activation_checkpointing": "full"}
 
 
 def measure(bench: Bench) -> dict:
@@ -18,7 +21,9 @@ def measure(bench: Bench) -> dict:
     trl_reward.py: DDP, chosen and rejected padded into one forward), 2 processes, same model, pairs (the DPO
     comparison's, of varied lengths) and micro-batch of 8 pairs, fp32 both: pairs/s, the peak resident memory of
     the largest process, and the rows' fill. finetune packs both sides of many pairs in a row, under DDP (TRL's
-    engine) and FSDP2; a quick run (the test suite's) measures DDP against TRL."""
+    engine) and FSDP2. Each side with and without recomputing activations in backward (`PEERS`): TRL's default
+    recomputes, which a comparison of memory against finetune's default (it does not) would credit to the trainer
+    rather than the setting. A quick run (the test suite's) measures DDP against TRL, neither recomputing."""
     size = SIZES["tiny" if bench.quick else "dpo"]
     model = bench.model(size)
     count, steps = (64, 4) if bench.quick else (160, 8)
@@ -29,14 +34,20 @@ def measure(bench: Bench) -> dict:
         "reward_model.center_rewards_coefficient": 0.01, "train.micro_batch_size": 8, "train.max_steps": steps,
         "optim.lr": "1e-5",
     }  # fmt: skip
-    engines = {"finetune_ddp": "ddp.yaml"} | ({} if bench.quick else {"finetune_fsdp2": "fsdp2_full_shard.yaml"})
-    runs: dict[str, list[dict]] = {name: [] for name in [*engines, "trl"]}
+    engines = {"finetune_ddp": ("ddp.yaml", {})}
+    peers = {"trl_no_recompute": "0"}
+    if not bench.quick:
+        engines |= {"finetune_ddp_recompute": ("ddp.yaml", RECOMPUTE), "finetune_fsdp2": ("fsdp2_full_shard.yaml", {})}
+        peers |= {"trl": "1"}
+    runs: dict[str, list[dict]] = {name: [] for name in [*engines, *peers]}
     for repeat in range(bench.repeats):
-        for name, config in engines.items():
-            runs[name].append(finetune_measured(bench, f"rm-{name}-{repeat}", size, config, "pairs", **settings))
-        result = bench.work / "runs" / f"rm-trl-{repeat}.json"
-        runs["trl"].append(trl_measured("trl_reward.py", "pairs", result, str(model), str(pairs), str(steps), "8",
-                                        "256", str(result)))  # fmt: skip
+        for name, (config, recompute) in engines.items():
+            run = finetune_measured(bench, f"rm-{name}-{repeat}", size, config, "pairs", **settings | recompute)
+            runs[name].append(run)
+        for name, recompute in peers.items():
+            result = bench.work / "runs" / f"rm-{name}-{repeat}.json"
+            runs[name].append(trl_measured("trl_reward.py", "pairs", result, str(model), str(pairs), str(steps), "8",
+                                           "256", str(result), recompute))  # fmt: skip
     median = _medians(runs)
     return {
         "size": size.name, "pairs": count, "runs": runs, "median": median, "ratios": ratios(median, PEERS, "pairs"),
@@ -46,8 +57,10 @@ def measure(bench: Bench) -> dict:
 
 def rows(rm: dict) -> list[str]:
     rows, median, targets = [], rm["median"], rm["targets"]
+    setups = {"finetune_ddp": "DDP both, neither recomputing", "finetune_fsdp2": "FSDP2 vs DDP, neither recomputing",
+              "finetune_ddp_recompute": "DDP both, both recomputing (TRL's default)"}  # fmt: skip
     for name, ratio in rm["ratios"].items():
-        engine = "DDP both" if name == "finetune_ddp" else "FSDP2 vs DDP"
+        engine = setups[name]
         ours, theirs = median[name], median[PEERS[name]]
         rows += [
             _row(f"reward model pairs/s vs TRL RewardTrainer {rm['trl_version']} ({rm['size']}, full, {engine})",
@@ -57,7 +70,7 @@ def rows(rm: dict) -> list[str]:
                  f"{theirs['peak_rss_bytes'] / MIB:.0f} MiB", f"{ratio['peak_rss']:.2f}x",
                  f"<= {targets['peak_rss']}x"),
         ]  # fmt: skip
-    ours, theirs = median["finetune_ddp"], median["trl"]
+    ours, theirs = median["finetune_ddp"], median["trl_no_recompute"]
     rows.append(_row("reward model rows' fill, real tokens / token slots (finetune: packed; TRL: padded)",
                      f"{ours['fill']:.2f}", f"{theirs['fill']:.2f}"))  # fmt: skip
     return rows

