@@ -345,8 +345,12 @@ bench: $(STAMP) ## speed and memory vs hand-written FSDP2, Trainer, merge-weight
 bench-gpu: $(STAMP) ## Llama-3.2-1B shape, bf16, seq 2048, all GPUs (one: no FSDP): tokens/s, MFU, peak memory
 	$(OFFLINE) $(PY) bench/gpu.py $(if $(PROFILE),--profile $(PROFILE))
 
+# Two pytest workers (TEST_WORKERS=1: one): a launch's ranks wait on each other and on imports, so a second test
+# file beside it keeps 2 cores busy. A file runs whole on one worker (its shared runs are launched once); files in
+# the order collected, so the longest, test_bench.py, starts early rather than last.
+TEST_WORKERS ?= 2
 test: lint ## lint, then the test suite (CPU only; multi-process tests use 2 processes over gloo)
-	$(OFFLINE) $(PY) -m pytest --durations 15
+	$(OFFLINE) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations 15
 
 test-fast: lint ## the tests that start no distributed launch (seconds to minutes; a test that launches fails here)
 	FINETUNE_FAST_TESTS=1 $(OFFLINE) $(PY) -m pytest -m "not multiprocess"

@@ -256,9 +256,10 @@ def test_a_kto_run_starts_at_the_reference_logs_its_metrics_and_evaluates(run):
     metrics = run.metrics()
     steps = {m["step"]: m for m in metrics if "loss" in m}
     assert sorted(steps) == list(range(1, 9)) and steps[1]["samples"] == 8
-    # Step 1: the policy is the reference, so every reward and z0 are 0 and each loss is weight x (1 - sigmoid 0).
-    assert steps[1]["loss"] == pytest.approx(0.5, abs=1e-6) and steps[1]["kl"] == 0.0
-    assert steps[1]["rewards/chosen"] == 0.0 and steps[8]["rewards/chosen"] != 0.0
+    # Step 1: the policy is the reference, so every reward and z0 are 0 and each loss is weight x (1 - sigmoid 0),
+    # within rounding: the reference scored each sample in other micro-batches (in the data's order), other rows.
+    assert steps[1]["loss"] == pytest.approx(0.5, abs=1e-6) and steps[1]["kl"] == pytest.approx(0, abs=1e-6)
+    assert steps[1]["rewards/chosen"] == pytest.approx(0, abs=1e-6) and abs(steps[8]["rewards/chosen"]) > 1e-4
     # Each step logs the fractions of its samples of either label; the run trained on both.
     assert all(m["desirable"] + m["undesirable"] == pytest.approx(1) for m in steps.values())
     assert 0 < sum(m["desirable"] for m in steps.values()) / len(steps) < 1

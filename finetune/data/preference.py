@@ -415,23 +415,13 @@ def collate_sequences(
     sequences: list[tuple[list[int], list[int]]], *, max_length: int, pad_id: int, packing: bool
 ) -> dict[str, torch.Tensor]:
     """Sequences (ids, targets) whose log-probabilities or scores are taken one by one, as model rows. Packed:
-    placed first-fit in decreasing length into rows of `max_length` tokens, positions restarting per sequence
-    (attention stays within it); else each padded to the longest. `sequence_ids` names the sequence of each position
-    with a target (-1 elsewhere); `sequence_targets` counts each one's targets; `last_index` is the last position of
-    each sequence in the rows flattened (where a reward model reads its score)."""
+    spread over rows of at most `max_length` tokens (`balanced_rows`), positions restarting per sequence (attention
+    stays within it); else each padded to the longest. `sequence_ids` names the sequence of each position with a
+    target (-1 elsewhere); `sequence_targets` counts each one's targets; `last_index` is the last position of each
+    sequence in the rows flattened (where a reward model reads its score)."""
     if packing:
-        rows_of: list[list[int]] = []
-        room: list[int] = []
-        for n in sorted(range(len(sequences)), key=lambda n: -len(sequences[n][0])):
-            length = len(sequences[n][0])
-            fit = next((r for r, free in enumerate(room) if free >= length), None)
-            if fit is None:
-                rows_of.append([n])
-                room.append(max_length - length)
-            else:
-                rows_of[fit].append(n)
-                room[fit] -= length
-        width = max_length
+        rows_of = balanced_rows([len(ids) for ids, _ in sequences], max_length)
+        width = max(sum(len(sequences[n][0]) for n in members) for members in rows_of)
     else:
         rows_of = [[n] for n in range(len(sequences))]
         width = max(len(ids) for ids, _ in sequences)
@@ -464,6 +454,30 @@ def collate_sequences(
     else:
         batch["attention_mask"] = torch.tensor(attention_mask)
     return with_host_indices(batch)
+
+
+def balanced_rows(lengths: list[int], max_length: int) -> list[list[int]]:
+    """Which sequences share each row, for the fewest token slots: rows of at most `max_length` tokens, as wide as
+    the longest of them. For a few row counts from the fewest the total allows, each sequence (longest first) goes
+    into the emptiest row, a new row only where none holds it; the layout of fewest slots wins. First fit would
+    fill every row but the last, which a micro-batch of a few rows pads to `max_length`."""
+    fewest = -(-sum(lengths) // max_length)
+    layouts = [_spread(lengths, max_length, count) for count in range(fewest, fewest + 3)]
+    return min(layouts, key=lambda rows: len(rows) * max(sum(lengths[n] for n in row) for row in rows))
+
+
+def _spread(lengths: list[int], max_length: int, count: int) -> list[list[int]]:
+    rows: list[list[int]] = [[] for _ in range(count)]
+    used = [0] * count
+    for n in sorted(range(len(lengths)), key=lambda n: -lengths[n]):
+        emptiest = min(range(len(rows)), key=used.__getitem__)
+        if used[emptiest] + lengths[n] > max_length:  # then no row holds it
+            rows.append([])
+            used.append(0)
+            emptiest = len(rows) - 1
+        rows[emptiest].append(n)
+        used[emptiest] += lengths[n]
+    return [row for row in rows if row]
 
 
 @dataclass(frozen=True)
