@@ -1109,7 +1109,7 @@ class RecipeConfig:
         if self.data.packing_window is not None:
             errors.append(
                 f"data.packing_window applies to supervised fine-tuning; a {section} run packs each micro-batch's "
-                "pairs together (first fit), so remove it"
+                "pairs together (rows of about equal length), so remove it"
             )
         if not self.data.completion_only_loss:
             errors.append(
