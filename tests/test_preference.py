@@ -22,7 +22,8 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from finetune.config import DataConfig, PreferenceConfig
 from finetune.data import IGNORE
-from finetune.data.preference import balanced_rows, collate_pairs, collate_sequences, prepare_pairs
+from finetune.data.pack import balanced_rows
+from finetune.data.preference import collate_pairs, collate_sequences, prepare_pairs
 from finetune.errors import FinetuneError
 from finetune.objectives.loss import sequence_logps
 from finetune.objectives.preference import pair_losses
@@ -277,10 +278,10 @@ def test_packed_sequences_spread_over_rows_of_about_equal_length():
     """A micro-batch's rows are as wide as its longest: spread over rows of about equal length, these sequences leave
     no slot empty, where first fit (120+110, 100+90+60, 80+70+50+40, 30) pads 274 of 1,024 slots."""
     lengths = [120, 110, 100, 90, 80, 70, 60, 50, 40, 30]
-    rows = balanced_rows(lengths, max_length=256)
+    rows = balanced_rows(lengths, capacity=256)
     assert sorted(n for row in rows for n in row) == list(range(10))
     assert [sum(lengths[n] for n in row) for row in rows] == [150] * 5
-    assert balanced_rows([256, 256, 1], max_length=256) == [[0], [1], [2]]  # none past max_length
+    assert balanced_rows([256, 256, 1], capacity=256) == [[0], [1], [2]]  # none past the capacity
     sequences = [(list(range(3, 3 + length)), [IGNORE] * (length - 1) + [1]) for length in lengths]
     batch = collate_sequences(sequences, max_length=256, pad_id=0, packing=True)
     assert batch["input_ids"].shape == (5, 150) and batch["row_tokens"].tolist() == [150] * 5

@@ -53,6 +53,31 @@ def best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
+def balanced_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """The sequences (by index into `lengths`, each at most `capacity`) of each row of one micro-batch, for the fewest
+    token slots: the batch is as wide as its longest row. For a few row counts from the fewest the total allows, each
+    sequence (longest first) goes into the emptiest row, a new row only where none holds it; the layout of fewest
+    slots wins. Best fit fills every row but the last, which a micro-batch of a few rows pads to `capacity`."""
+    order = sorted(range(len(lengths)), key=lambda n: -lengths[n])
+    fewest = -(-sum(lengths) // capacity)
+    layouts = [_spread(lengths, order, capacity, count) for count in range(fewest, fewest + 3)]
+    return min(layouts, key=lambda rows: len(rows) * max(sum(lengths[n] for n in row) for row in rows))
+
+
+def _spread(lengths: list[int], order: list[int], capacity: int, count: int) -> list[list[int]]:
+    rows: list[list[int]] = [[] for _ in range(count)]
+    used = [0] * count
+    for n in order:
+        emptiest = min(range(len(rows)), key=used.__getitem__)
+        if used[emptiest] + lengths[n] > capacity:  # then no row holds it
+            rows.append([])
+            used.append(0)
+            emptiest = len(rows) - 1
+        rows[emptiest].append(n)
+        used[emptiest] += lengths[n]
+    return [row for row in rows if row]
+
+
 def next_fit(lengths: list[int], capacity: int) -> list[list[int]]:
     """The packing finetune used before best fit, kept as the baseline `make bench` and the tests measure it
     against: samples in their order, a row closed as soon as the next sample does not fit."""

@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from finetune.config import DataConfig
 from finetune.data.chat import describe, encode_rendered, message_role, render_chats
-from finetune.data.pack import with_host_indices
+from finetune.data.pack import balanced_rows, with_host_indices
 from finetune.data.sources import SAMPLE_INDEX, source_name
 from finetune.data.tokenize import (
     IGNORE,
@@ -454,30 +454,6 @@ def collate_sequences(
     else:
         batch["attention_mask"] = torch.tensor(attention_mask)
     return with_host_indices(batch)
-
-
-def balanced_rows(lengths: list[int], max_length: int) -> list[list[int]]:
-    """Which sequences share each row, for the fewest token slots: rows of at most `max_length` tokens, as wide as
-    the longest of them. For a few row counts from the fewest the total allows, each sequence (longest first) goes
-    into the emptiest row, a new row only where none holds it; the layout of fewest slots wins. First fit would
-    fill every row but the last, which a micro-batch of a few rows pads to `max_length`."""
-    fewest = -(-sum(lengths) // max_length)
-    layouts = [_spread(lengths, max_length, count) for count in range(fewest, fewest + 3)]
-    return min(layouts, key=lambda rows: len(rows) * max(sum(lengths[n] for n in row) for row in rows))
-
-
-def _spread(lengths: list[int], max_length: int, count: int) -> list[list[int]]:
-    rows: list[list[int]] = [[] for _ in range(count)]
-    used = [0] * count
-    for n in sorted(range(len(lengths)), key=lambda n: -lengths[n]):
-        emptiest = min(range(len(rows)), key=used.__getitem__)
-        if used[emptiest] + lengths[n] > max_length:  # then no row holds it
-            rows.append([])
-            used.append(0)
-            emptiest = len(rows) - 1
-        rows[emptiest].append(n)
-        used[emptiest] += lengths[n]
-    return [row for row in rows if row]
 
 
 @dataclass(frozen=True)
