@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -160,6 +161,7 @@ class Bench:
     def __init__(self, work: Path, quick: bool, repeats: int):
         self.work, self.quick, self.repeats = work, quick, repeats
         self.curves: dict[str, list[float]] = {}  # loss curves to plot
+        self.launched: dict[tuple, Path] = {}  # finetune_run's launches: their settings and output folders
         work.mkdir(parents=True, exist_ok=True)
         from finetune.run import demo
 
@@ -201,9 +203,20 @@ class Bench:
     def finetune_run(
         self, name: str, size: Size, config: str, processes: int = 2, launch_args: tuple[str, ...] = (), **overrides
     ) -> dict:
-        """One `accelerate launch -m finetune train` of the demo recipe on the bench model; its metrics."""
+        """One `accelerate launch -m finetune train` of the demo recipe on the bench model; its metrics.
+
+        A quick run proves that the comparisons run, and times nothing: a launch the same as one it made already
+        (several comparisons' baselines are the same tiny run) is not made again, its folder linked under `name`."""
         command, out = self.finetune_command(name, size, config, processes, launch_args, **overrides)
-        _run(command)
+        same = (size, config, processes, launch_args, tuple(sorted((k, str(v)) for k, v in overrides.items())))
+        if self.quick and same in self.launched:
+            if out.is_symlink():
+                out.unlink()
+            shutil.rmtree(out, ignore_errors=True)  # a former bench's, in the same --work
+            out.symlink_to(self.launched[same], target_is_directory=True)
+        else:
+            _run(command)
+            self.launched[same] = out
         return _metrics(out / "metrics.jsonl")
 
     def finetune_command(

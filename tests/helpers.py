@@ -136,7 +136,18 @@ def launched_run(
     launch_args: tuple[str, ...] = (),
     **extra,
 ) -> LaunchedRun:
-    output_dir = tmp_path_factory.mktemp(name) / "out"
+    return run_in(tmp_path_factory.mktemp(name) / "out", assets, config, num_processes, launch_args, **extra)
+
+
+def run_in(
+    output_dir: Path,
+    assets: Path,
+    config: str,
+    num_processes: int = 2,
+    launch_args: tuple[str, ...] = (),
+    **extra,
+) -> LaunchedRun:
+    """`finetune train` of the demo recipe on the test assets, launched into `output_dir`; it must succeed."""
     overrides = recipe_overrides(assets, output_dir, **extra)
     result = launch(config, overrides, num_processes=num_processes, launch_args=launch_args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
