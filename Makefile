@@ -29,7 +29,7 @@ TRAIN_TARGETS := train-gpt2 train-gpt2-medium train-gpt2-xl train-1b train-8b tr
 	train-qwen3-30b-a3b-lora \
 	train-gpt-oss-20b-lora train-mixtral-lora train-qwen-7b-tools train-8b-dpo train-qwen-7b-dpo \
 	train-qwen3-8b-grpo train-qwen3-8b-grpo-lora train-qwen3-8b-grpo-tools train-qwen3-1.7b-distill train-qwen3-1.7b-distill-on-policy
-.PHONY: help setup test-fast demo demo-lora demo-dpo demo-kto demo-grpo demo-rm demo-distill train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu \
+.PHONY: help setup test-fast test-bench demo demo-lora demo-dpo demo-kto demo-grpo demo-rm demo-distill train-tiny train $(TRAIN_TARGETS) check export plan bench bench-gpu \
 	gpu-wheels gpu-check test test-gpu lint format clean
 
 help: ## list the targets
@@ -346,11 +346,15 @@ bench-gpu: $(STAMP) ## Llama-3.2-1B shape, bf16, seq 2048, all GPUs (one: no FSD
 	$(OFFLINE) $(PY) bench/gpu.py $(if $(PROFILE),--profile $(PROFILE))
 
 # Two pytest workers (TEST_WORKERS=1: one): a launch's ranks wait on each other and on imports, so a second test
-# file beside it keeps 2 cores busy. A file runs whole on one worker (its shared runs are launched once); files in
-# the order collected, so the longest, test_bench.py, starts early rather than last.
+# file beside it keeps 2 cores busy. A file runs whole on one worker (its module's runs are launched once; runs that
+# several files read, once a session: tests/conftest.py's built_once); files in the order collected, not the most
+# tests first, which left a long file alone at the end. The benchmark scripts' runs are test-bench's (CI runs both).
 TEST_WORKERS ?= 2
 test: lint ## lint, then the test suite (CPU only; multi-process tests use 2 processes over gloo)
-	$(OFFLINE) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations 15
+	$(OFFLINE) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations 15 -m "not bench"
+
+test-bench: $(STAMP) ## the benchmark and GPU-check scripts end to end on tiny sizes (CPU, ~12 min; no timing asserted)
+	$(OFFLINE) $(PY) -m pytest -m bench --durations 5 tests/test_bench.py
 
 test-fast: lint ## the tests that start no distributed launch (seconds to minutes; a test that launches fails here)
 	FINETUNE_FAST_TESTS=1 $(OFFLINE) $(PY) -m pytest -m "not multiprocess"

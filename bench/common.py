@@ -3,6 +3,7 @@ finetune runs, timing commands with their peak memory, medians of interleaved re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -123,6 +124,17 @@ def _ratio(
     }
 
 
+def _settings(command: list[str]) -> str:
+    """The recipe a `finetune train` command resolves to, its output folder left out: two commands that set the
+    same values (one by default, the other by hand) give the same string."""
+    from finetune.config import load_recipe
+
+    start = command.index("finetune") + 2  # -m finetune train RECIPE OVERRIDES...
+    settings = dataclasses.asdict(load_recipe(command[start], command[start + 1 :]))
+    settings["output"].pop("dir")
+    return json.dumps(settings, sort_keys=True, default=str)
+
+
 def _parameters(model_dir: Path) -> int:
     from transformers import AutoConfig
 
@@ -161,7 +173,7 @@ class Bench:
     def __init__(self, work: Path, quick: bool, repeats: int):
         self.work, self.quick, self.repeats = work, quick, repeats
         self.curves: dict[str, list[float]] = {}  # loss curves to plot
-        self.launched: dict[tuple, Path] = {}  # finetune_run's launches: their settings and output folders
+        self.launched: dict[tuple, Path] = {}  # finetune_run's launches (their settings) and their folders
         work.mkdir(parents=True, exist_ok=True)
         from finetune.run import demo
 
@@ -208,7 +220,7 @@ class Bench:
         A quick run proves that the comparisons run, and times nothing: a launch the same as one it made already
         (several comparisons' baselines are the same tiny run) is not made again, its folder linked under `name`."""
         command, out = self.finetune_command(name, size, config, processes, launch_args, **overrides)
-        same = (size, config, processes, launch_args, tuple(sorted((k, str(v)) for k, v in overrides.items())))
+        same = (config, processes, launch_args, _settings(command))
         if self.quick and same in self.launched:
             if out.is_symlink():
                 out.unlink()

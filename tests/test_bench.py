@@ -1,5 +1,8 @@
 """The benchmark scripts run end to end on tiny sizes. No timing is asserted: numbers only mean
-something as ratios on one quiet machine (`make bench`), never as pass/fail in a test suite."""
+something as ratios on one quiet machine (`make bench`), never as pass/fail in a test suite.
+
+The runs of the scripts are marked `bench`: `make test-bench` runs them and `make test` leaves them out (they are
+a quarter of the suite's CPU time: some 45 launches); CI runs both."""
 
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ def positive(value) -> bool:
     return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.bench
 def test_make_bench_runs_every_comparison(tmp_path):
     results = run_script("run.py", tmp_path)
     assert any(name.endswith("-loss.png") for name in results["_files"])
@@ -105,6 +109,7 @@ def test_make_bench_runs_every_comparison(tmp_path):
         )
 
 
+@pytest.mark.bench
 def test_make_bench_reruns_one_comparison_alone(tmp_path):
     """`--only` runs the comparisons named, and its files say which, so a partial run never reads as a whole one."""
     results = run_script("run.py", tmp_path, "--only", "loss_path")
@@ -121,6 +126,7 @@ def test_make_bench_reruns_one_comparison_alone(tmp_path):
     assert refused.returncode == 2 and "--only takes comparisons of: data_pipeline" in refused.stderr
 
 
+@pytest.mark.bench
 def test_bench_gpu_runs_on_cpu_in_quick_mode(tmp_path):
     """Three of its variants (each a launch; every variant is the same script with other settings): the reference
     loss path, the packed rows' varlen attention, and activation checkpointing, each with one profiled step."""
@@ -142,6 +148,7 @@ def run_gpu_check(tmp_path, budget: int, only: str | None = None) -> tuple[subpr
     return result, json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.bench
 def test_gpu_check_dry_runs_every_step_in_its_cpu_form(tmp_path):
     """`make gpu-check` without a GPU: each step's command line runs (tests collected, a short demo, bench
     --quick, one profiled step), everything in one folder of at most 8 files, as the device tool needs."""
@@ -181,6 +188,7 @@ def test_gpu_check_dry_runs_every_step_in_its_cpu_form(tmp_path):
     assert all(positive(row["fill"]) and row["fill"] <= 1 for row in results["rows"])
 
 
+@pytest.mark.bench
 def test_gpu_check_skips_what_its_budget_cannot_hold_and_runs_the_steps_it_is_given(tmp_path):
     result, summary = run_gpu_check(tmp_path, budget=12)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -17,8 +17,10 @@ def test_readme_starts_with_the_two_setup_commands():
 
 
 def test_ci_runs_the_readme_test_command():
+    """CI runs `make test`, and each command it runs is one the README names."""
     lines = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if not line.startswith("#")]
     assert "make test" in lines
+    assert all(f"`{line}`" in README for line in lines if line.startswith("make "))
 
 
 def test_make_targets_in_readme_exist():
