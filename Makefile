@@ -353,7 +353,7 @@ TEST_WORKERS ?= 2
 test: lint ## lint, then the test suite (CPU only; multi-process tests use 2 processes over gloo)
 	$(OFFLINE) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations 15 -m "not bench"
 
-test-bench: $(STAMP) ## the benchmark and GPU-check scripts end to end on tiny sizes (CPU, ~12 min; no timing asserted)
+test-bench: $(STAMP) ## the benchmark and GPU-check scripts end to end on tiny sizes (CPU, ~14 min; no timing asserted)
 	$(OFFLINE) $(PY) -m pytest -m bench --durations 5 tests/test_bench.py
 
 test-fast: lint ## the tests that start no distributed launch (seconds to minutes; a test that launches fails here)
