@@ -173,7 +173,7 @@ class Bench:
     def __init__(self, work: Path, quick: bool, repeats: int):
         self.work, self.quick, self.repeats = work, quick, repeats
         self.curves: dict[str, list[float]] = {}  # loss curves to plot
-        self.launched: dict[tuple, Path] = {}  # finetune_run's launches (their settings) and their folders
+        self.launched: dict[tuple, Path] = {}  # a quick run's launches (their settings) and their folders
         work.mkdir(parents=True, exist_ok=True)
         from finetune.run import demo
 
@@ -220,14 +220,15 @@ class Bench:
         A quick run proves that the comparisons run, and times nothing: a launch the same as one it made already
         (several comparisons' baselines are the same tiny run) is not made again, its folder linked under `name`."""
         command, out = self.finetune_command(name, size, config, processes, launch_args, **overrides)
-        same = (config, processes, launch_args, _settings(command))
-        if self.quick and same in self.launched:
+        same = (config, processes, launch_args, _settings(command)) if self.quick else None
+        if same in self.launched:
             if out.is_symlink():
                 out.unlink()
             shutil.rmtree(out, ignore_errors=True)  # a former bench's, in the same --work
             out.symlink_to(self.launched[same], target_is_directory=True)
-        else:
-            _run(command)
+            return _metrics(out / "metrics.jsonl")
+        _run(command)
+        if same is not None:
             self.launched[same] = out
         return _metrics(out / "metrics.jsonl")
 
