@@ -109,12 +109,13 @@ demo-grpo: $(STAMP) ## online RL on the demo: GRPO of a partly trained reverser,
 		--before $(DEMO_DIR)/run-partial/final
 
 # A learned reward on the demo (docs/reward_models.md): the 40-step model of demo-grpo (made first if missing) samples
-# replies to the training lists; each wrong one (and three hard negatives a list), paired with the correct reversal,
-# trains a reward model from the SFT run's export (made first if missing; recipes/demo/tiny_llama_reward.yaml, 4,800
-# steps, held-out pair accuracy in its log); then GRPO of the 40-step model rewarded by that reward model alone
-# (recipes/demo/tiny_llama_grpo_rm.yaml); the report before and after. About 16 minutes on 2 CPU cores.
+# replies to the training lists; each wrong one (and hard negatives: a near miss, one digit changed at each position,
+# the list unreversed), paired with the correct reversal, trains a reward model from the SFT run's export (made first
+# if missing; recipes/demo/tiny_llama_reward.yaml, 6,400 steps, held-out pair accuracy in its log); then GRPO of the
+# 40-step model rewarded by that reward model alone (recipes/demo/tiny_llama_grpo_rm.yaml, 32 prompts a step); the
+# report before and after. About 25 minutes on 2 CPU cores.
 DEMO_RM := data.train_path=$(DEMO_DIR)/data/rm_pairs_train.jsonl data.eval_path=$(DEMO_DIR)/data/rm_pairs_eval.jsonl \
-	model.name_or_path=$(DEMO_DIR)/run/final output.dir=$(DEMO_DIR)/run-rm train.max_steps=4800 \
+	model.name_or_path=$(DEMO_DIR)/run/final output.dir=$(DEMO_DIR)/run-rm train.max_steps=6400 \
 	train.eval_every_steps=800 optim.schedule=constant
 DEMO_GRPO_RM := model.name_or_path=$(DEMO_DIR)/run-partial/final \
 	data.train_path=$(DEMO_DIR)/data/prompts_train.jsonl data.eval_path=$(DEMO_DIR)/data/prompts_eval.jsonl \

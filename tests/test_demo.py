@@ -87,8 +87,8 @@ def test_demo_options_that_cannot_be_honoured_are_refused_in_one_line(tmp_path, 
 
 def test_reward_model_pairs_hold_the_policys_own_wrong_replies(demo_assets, partly_trained, tmp_path, capsys):
     """`finetune demo build-rm`: each list's distinct wrong sampled replies (never an empty one) and its hard
-    negatives (a near miss, an end digit changed, the list unreversed), each paired with the correct reversal; the
-    same pairs from the same policy and seed, written once."""
+    negatives (a near miss, one digit changed at each position, the list unreversed), each once, paired with the
+    correct reversal; the same pairs from the same policy and seed, written once."""
     from finetune.run import demo_reward
 
     data = tmp_path / "data"
@@ -111,9 +111,10 @@ def test_reward_model_pairs_hold_the_policys_own_wrong_replies(demo_assets, part
         assert all(reply not in ("", answers[prompt]) for reply in rejected)
         assert prompt.removeprefix("reverse: ") in rejected or prompt.split()[1:] == prompt.split()[:0:-1]
         digits = answers[prompt].split()
-        ends = [r.split() for r in rejected if len(r.split()) == len(digits)]
-        assert any(r[1:-1] == digits[1:-1] and (r[0] != digits[0]) != (r[-1] != digits[-1]) for r in ends)
-        assert 2 <= len(rejected) <= 4 + 3
+        changed = [r.split() for r in rejected if len(r.split()) == len(digits)]
+        for i in range(len(digits)):  # one digit changed at each position
+            assert any([j for j, d in enumerate(r) if d != digits[j]] == [i] for r in changed)
+        assert len(set(rejected)) == len(rejected) <= 4 + 1 + len(digits) + 1
     assert len(pairs) > len(answers)  # the partly trained model is wrong on some of them: sampled replies are there
     said = capsys.readouterr().out
     assert re.search(r"rm_pairs_train.jsonl: \d+ pairs \(\d+ of 48 sampled replies wrong", said)
